@@ -1,0 +1,87 @@
+"""Correct gradients for diffusers' context-parallel cuDNN / native-flash attention.
+
+``import diffusers_cudnn_fix`` is all a user does: a post-import hook checks
+``diffusers.models.attention_dispatch`` when it is imported (or at once, if it already is) and replaces
+only the ops the check shows broken. The import itself loads nothing heavy (no torch, no diffusers) and
+never initialises CUDA.
+
+Public API: :func:`apply`, :func:`revert`, :func:`status`, :func:`is_patched`, :func:`get_original`, the
+warning categories, and ``python -m diffusers_cudnn_fix`` (prints :func:`status`).
+Switches: ``DIFFUSERS_CUDNN_FIX=0`` turns the package off; ``DIFFUSERS_CUDNN_FIX_SKIP=id,...`` leaves
+named fixes alone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from . import _config, _hook
+from ._version import __version__
+from ._warnings import (
+    DiffusersCudnnFixWarning,
+    FixNotAppliedWarning,
+    ReleaseTableMismatchWarning,
+    StaleReferenceWarning,
+)
+
+if TYPE_CHECKING:
+    from ._report import Report
+
+__all__ = [
+    "DiffusersCudnnFixWarning",
+    "FixNotAppliedWarning",
+    "ReleaseTableMismatchWarning",
+    "StaleReferenceWarning",
+    "__version__",
+    "apply",
+    "get_original",
+    "is_patched",
+    "revert",
+    "status",
+]
+
+
+def apply() -> Report:
+    """Import diffusers' attention module if needed, check it and install the fixes it needs.
+
+    Idempotent and thread-safe; after :func:`revert` it re-checks and re-installs. A no-op (returning the
+    report) when the package is switched off. Raises ImportError only if diffusers is not installed.
+    """
+    import importlib
+
+    from . import _registry
+
+    module = importlib.import_module(_registry.MODULE_NAME)
+    _registry.apply_to(module)
+    return _registry.status()
+
+
+def revert() -> Report:
+    """Put back the exact objects diffusers shipped (and any references we rebound). Idempotent."""
+    from . import _registry
+
+    return _registry.revert()
+
+
+def status() -> Report:
+    """Versions and, per fix: expected by the release table, found by the check, applied, and why."""
+    from . import _registry
+
+    return _registry.status()
+
+
+def is_patched(attr: str) -> bool:
+    """Whether ``diffusers.models.attention_dispatch.<attr>`` is our replacement right now."""
+    from . import _registry
+
+    return _registry.is_patched(attr)
+
+
+def get_original(attr: str) -> Any:
+    """The object diffusers shipped as ``diffusers.models.attention_dispatch.<attr>``."""
+    from . import _registry
+
+    return _registry.original(attr)
+
+
+_hook.arm()

@@ -1,0 +1,400 @@
+"""Behavioural check of diffusers' attention ops, without a GPU.
+
+diffusers' forward/backward op pairs are run on tiny CPU tensors under a ``TorchDispatchMode`` that
+records the arguments reaching the ATen attention ops and answers those calls itself with empty tensors
+shaped as the op contract says (the contract the ops' meta kernels implement; ``tests/test_detect.py``
+holds the two side by side). No attention is computed, no kernel of ours or PyTorch's attention runs, and
+CUDA is never touched. From the record the fixes decide whether the installed code is broken: do q, k and
+v reach the backward kernel in the layout they reached the forward kernel, is the log-sum-exp computed when
+a backward will need it, does ``grad_out`` carry ``out``'s strides.
+
+Why CPU tensors rather than ``device="meta"``: the layout ops around the kernels (transpose, contiguous)
+go through Python reference implementations on meta and made each run twice as slow; the hook has a
+10 ms budget.
+
+Shapes are chosen so that every dimension differs (B=2, S_q=5, S_kv=7, H=3, D=8): any transposition shows
+up as a shape change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._fix import Finding, Record
+
+# Model layout (B, S, H, D) shapes used by the check. All distinct so that a swapped pair of dims is visible.
+BATCH, SEQ_Q, SEQ_KV, HEADS, HEAD_DIM = 2, 5, 7, 3, 8
+
+CUDNN_FORWARD = "cudnn_forward"
+CUDNN_BACKWARD = "cudnn_backward"
+FLASH_FORWARD = "flash_forward"
+FLASH_BACKWARD = "flash_backward"
+
+_WATCHED = {
+    "_scaled_dot_product_cudnn_attention": CUDNN_FORWARD,
+    "_scaled_dot_product_cudnn_attention_backward": CUDNN_BACKWARD,
+    "_scaled_dot_product_flash_attention": FLASH_FORWARD,
+    "_scaled_dot_product_flash_attention_backward": FLASH_BACKWARD,
+}
+
+# Parameters of diffusers' templated forward ops (0.36.0 to 0.42.1 spell them the same way).
+FORWARD_PARAMS = (
+    "ctx",
+    "query",
+    "key",
+    "value",
+    "attn_mask",
+    "dropout_p",
+    "is_causal",
+    "scale",
+    "enable_gqa",
+    "return_lse",
+    "_save_ctx",
+    "_parallel_config",
+)
+
+
+class TensorInfo(Record):
+    """What the check keeps of a tensor argument."""
+
+    __slots__ = ("shape", "stride", "dtype")
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, value: Any) -> TensorInfo | None:
+        if not isinstance(value, torch.Tensor):
+            return None
+        return cls(tuple(value.shape), tuple(value.stride()), value.dtype)
+
+
+class OpCall(Record):
+    """One call of a watched ATen op: its name and its arguments by schema name."""
+
+    __slots__ = ("op", "args")
+    op: str
+    args: dict[str, Any]
+
+    def tensor(self, name: str) -> TensorInfo | None:
+        return TensorInfo.of(self.args.get(name))
+
+
+class Trace:
+    """What happened when an op pair ran on meta tensors."""
+
+    __slots__ = ("calls", "forward_result", "grads", "error")
+
+    def __init__(self) -> None:
+        self.calls: list[OpCall] = []
+        self.forward_result: Any = None
+        self.grads: tuple[Any, ...] | None = None
+        self.error: str | None = None
+
+    def first(self, op: str) -> OpCall | None:
+        return next((c for c in self.calls if c.op == op), None)
+
+
+class _Recorder(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in a dynamo-disable shim (about 20 us a call). This mode
+        # only runs in our eager check, never under torch.compile, so the shim buys nothing.
+        return False
+
+    def __init__(self, trace: Trace) -> None:
+        super().__init__()
+        self._trace = trace
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        name = _WATCHED.get(func.__name__.partition(".")[0])
+        if name is not None:
+            bound = {}
+            for i, arg in enumerate(func._schema.arguments):
+                if i < len(args):
+                    bound[arg.name] = args[i]
+                elif arg.name in kwargs:
+                    bound[arg.name] = kwargs[arg.name]
+            # Keep the tensors themselves: TensorInfo is taken by the readers, and they are tiny.
+            self._trace.calls.append(OpCall(name, bound))
+            return _answer(name, bound)
+        return func(*args, **kwargs)
+
+
+class ProbeCtx:
+    """Stands in for the ``torch.autograd.Function`` context diffusers' templated attention passes.
+
+    ``needs_input_grad`` says a backward will follow, as in a training step.
+    """
+
+    needs_input_grad = (True,) * 12
+
+    def save_for_backward(self, *tensors: Any) -> None:
+        self.saved_tensors = tensors
+
+
+def training_parallel_config() -> Any:
+    """The attributes diffusers' ops read from a context-parallel config in a 2-way CP training run."""
+    return types.SimpleNamespace(
+        context_parallel_config=types.SimpleNamespace(
+            _world_size=2, ring_degree=1, ulysses_degree=2, convert_to_fp32=False
+        )
+    )
+
+
+def _positional_params(fn: Any) -> tuple[tuple[str, ...], bool] | None:
+    """(positional parameter names, takes *args) of ``fn``, or None if it cannot be read.
+
+    Reads the code object (inspect.signature costs ~0.1 ms a call, the hook has 10 ms); falls back to
+    inspect for callables without one.
+    """
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        names = code.co_varnames[: code.co_argcount]
+        return tuple(names), bool(code.co_flags & inspect.CO_VARARGS)
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    params = sig.parameters.values()
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = tuple(p.name for p in params if p.kind in positional)
+    return names, any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+
+
+def signature_matches(fn: Any, params: tuple[str, ...]) -> bool:
+    """Whether ``fn`` takes exactly these positional parameters (extra keyword-only ones allowed)."""
+    found = _positional_params(fn)
+    return found is not None and found[0] == params
+
+
+def backward_signature_ok(fn: Any) -> bool:
+    """diffusers' backward ops take ``(ctx, grad_out, *args, ...)``."""
+    found = _positional_params(fn)
+    return found is not None and found[0] == ("ctx", "grad_out") and found[1]
+
+
+# Traces of one apply() pass, keyed by the functions run: the fixes' checks and their verifications share
+# runs (a check is a pure function of the code it runs). None outside a pass: nothing is kept for later.
+_memo: dict[tuple[Any, ...], Trace] | None = None
+
+
+@contextlib.contextmanager
+def shared_runs() -> Iterator[None]:
+    """Within this block, identical runs are made once (the caller holds the registry lock)."""
+    global _memo
+    _memo = {}
+    try:
+        yield
+    finally:
+        _memo = None
+
+
+def run_pair(
+    forward: Callable[..., Any],
+    backward: Callable[..., Any] | None,
+    *,
+    return_lse: bool,
+) -> Trace:
+    """Run ``forward`` (and ``backward`` on its output) on tiny CPU tensors and record the ATen calls.
+
+    Never raises: an exception becomes ``trace.error`` (the calls recorded before it are kept).
+    """
+    key = (forward, backward, return_lse)
+    if _memo is not None and key in _memo:
+        return _memo[key]
+    trace = _run_pair(forward, backward, return_lse=return_lse)
+    if _memo is not None:
+        _memo[key] = trace
+    return trace
+
+
+def _run_pair(forward: Callable[..., Any], backward: Callable[..., Any] | None, *, return_lse: bool) -> Trace:
+    trace = Trace()
+    try:
+        q, k, v = _model_qkv()
+        ctx = ProbeCtx()
+        with torch.no_grad(), _Recorder(trace):
+            # no_grad: diffusers calls these ops inside autograd.Function.forward, where grad mode is off.
+            result = forward(
+                ctx,
+                q,
+                k,
+                v,
+                None,
+                0.0,
+                False,
+                None,
+                False,
+                return_lse,
+                _save_ctx=True,
+                _parallel_config=training_parallel_config(),
+            )
+            trace.forward_result = result
+            if backward is not None:
+                out = result[0] if isinstance(result, tuple) else result
+                grad_out = torch.empty(out.shape, dtype=out.dtype)
+                trace.grads = tuple(backward(ctx, grad_out))
+    except Exception as exc:  # noqa: BLE001 - any failure is a finding, never a crash
+        trace.error = f"{type(exc).__name__}: {exc}"
+    return trace
+
+
+def _model_qkv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Model-layout (B, S, H, D) inputs as they reach the op inside CP attention (fresh, no grad)."""
+    q = torch.empty(BATCH, SEQ_Q, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    k = torch.empty(BATCH, SEQ_KV, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    v = torch.empty(BATCH, SEQ_KV, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    return q, k, v
+
+
+def _answer(name: str, args: dict[str, Any]) -> tuple[Any, ...]:
+    """What the ATen op returns, minus the numbers: the outputs' shapes, strides and dtypes.
+
+    Mirrors the ops' meta kernels (``tests/test_detect.py`` compares the two): the output and the gradients
+    are laid out like their inputs; the cuDNN forward returns no log-sum-exp when not asked for one (the
+    real kernel does so; the meta kernel returns one regardless).
+    """
+    if name in (CUDNN_BACKWARD, FLASH_BACKWARD):
+        return tuple(torch.empty_like(args[n]) for n in ("query", "key", "value"))
+    q, k = args["query"], args["key"]
+    batch, heads, seq_q = q.shape[:3]
+    if name == CUDNN_FORWARD:
+        lse = None
+        if args.get("compute_log_sumexp"):
+            lse_shape = (batch, heads, seq_q, 1) if cudnn_lse_ndim() == 4 else (batch, heads, seq_q)
+            lse = torch.empty(lse_shape, dtype=torch.float32)
+        seed = torch.empty((), dtype=torch.int64)
+        return (torch.empty_like(q), lse, None, None, seq_q, k.shape[2], seed, torch.empty_like(seed), None)
+    # FLASH_FORWARD: the log-sum-exp is always there, (B, H, S_q).
+    lse = torch.empty(batch, heads, seq_q, dtype=torch.float32)
+    rng_state = torch.empty(2, dtype=torch.uint64)
+    unused = torch.empty((), dtype=torch.uint64)
+    debug = torch.empty(0, dtype=q.dtype)
+    return (torch.empty_like(q), lse, None, None, seq_q, k.shape[2], rng_state, unused, debug)
+
+
+def kernel_shapes() -> dict[str, tuple[int, ...]]:
+    """The (B, H, S, D) shapes the ATen kernels must see for the check's inputs."""
+    return {
+        "query": (BATCH, HEADS, SEQ_Q, HEAD_DIM),
+        "key": (BATCH, HEADS, SEQ_KV, HEAD_DIM),
+        "value": (BATCH, HEADS, SEQ_KV, HEAD_DIM),
+    }
+
+
+def model_shapes() -> dict[str, tuple[int, ...]]:
+    """The (B, S, H, D) shapes of the check's inputs, which the backward's gradients must have."""
+    return {
+        "query": (BATCH, SEQ_Q, HEADS, HEAD_DIM),
+        "key": (BATCH, SEQ_KV, HEADS, HEAD_DIM),
+        "value": (BATCH, SEQ_KV, HEADS, HEAD_DIM),
+    }
+
+
+def _qkv_shapes(call: OpCall) -> dict[str, tuple[int, ...] | None]:
+    infos = {name: call.tensor(name) for name in ("query", "key", "value")}
+    return {name: (info.shape if info else None) for name, info in infos.items()}
+
+
+def check_backward_layout(
+    forward: Callable[..., Any] | None,
+    backward: Callable[..., Any] | None,
+    *,
+    forward_op: str,
+    backward_op: str,
+) -> Finding:
+    """Do q, k, v reach the backward kernel in the layout they reached the forward kernel?
+
+    Runs with ``return_lse=True`` so that a missing log-sum-exp (a separate bug) cannot mask this one.
+    Also checks that ``grad_out`` reaches the kernel with ``out``'s shape and strides and that the
+    gradients come back in model layout.
+    """
+    if forward is None or backward is None:
+        return Finding("absent", "the op pair does not exist in this diffusers")
+    if not signature_matches(forward, FORWARD_PARAMS) or not backward_signature_ok(backward):
+        return Finding("unknown", "the forward/backward op signatures differ from every known release")
+    trace = run_pair(forward, backward, return_lse=True)
+    fwd, bwd = trace.first(forward_op), trace.first(backward_op)
+    if fwd is None or bwd is None:
+        return Finding("unknown", f"the ops never reached the ATen kernels ({trace.error or 'no call recorded'})")
+    if _qkv_shapes(fwd) != kernel_shapes():
+        return Finding("unknown", f"the forward hands the kernel q/k/v as {_qkv_shapes(fwd)}, not (B, H, S, D)")
+    if _qkv_shapes(bwd) != _qkv_shapes(fwd):
+        return Finding(
+            "broken",
+            f"the backward kernel gets q/k/v of shapes {_qkv_shapes(bwd)} but the forward kernel got "
+            f"{_qkv_shapes(fwd)}: saved tensors are re-transposed",
+        )
+    grad_out, out = bwd.tensor("grad_out"), bwd.tensor("out")
+    if grad_out is None or out is None or (grad_out.shape, grad_out.stride) != (out.shape, out.stride):
+        return Finding(
+            "broken",
+            f"grad_out reaches the backward kernel as {grad_out}, out as {out}: strides must match",
+        )
+    if trace.error is not None:
+        return Finding("unknown", f"the backward raised {trace.error}")
+    grad_shapes = tuple(tuple(g.shape) if isinstance(g, torch.Tensor) else None for g in (trace.grads or ())[:3])
+    if grad_shapes != tuple(model_shapes().values()):
+        return Finding("unknown", f"the backward returns gradients of shapes {grad_shapes}")
+    return Finding("ok", "q/k/v reach the backward kernel in the forward's (B, H, S, D) layout")
+
+
+def check_forward_lse(
+    forward: Callable[..., Any] | None,
+    backward: Callable[..., Any] | None,
+    *,
+    forward_op: str,
+    backward_op: str,
+) -> Finding:
+    """Is the log-sum-exp computed when a backward will follow, while the caller gets what it asked for?"""
+    if forward is None:
+        return Finding("absent", "the op does not exist in this diffusers")
+    if not signature_matches(forward, FORWARD_PARAMS):
+        return Finding("unknown", "the forward op's signature differs from every known release")
+    # Forward only: the flag reaching the kernel is the finding.
+    trace = run_pair(forward, None, return_lse=False)
+    fwd = trace.first(forward_op)
+    if fwd is None:
+        return Finding("unknown", f"the forward never reached the ATen kernel ({trace.error or 'no call'})")
+    if not fwd.args.get("compute_log_sumexp", False):
+        return Finding(
+            "broken",
+            "the forward runs the kernel with compute_log_sumexp=False although a backward will follow, "
+            "so the backward reads an undefined log-sum-exp",
+        )
+    result = trace.forward_result
+    want = (BATCH, SEQ_Q, HEADS, HEAD_DIM)
+    if not isinstance(result, torch.Tensor) or tuple(result.shape) != want:
+        return Finding("broken", f"asked for the output only, the forward returned {type(result).__name__}")
+    # With the backward too: the same run serves the backward-layout check of the pair.
+    with_lse = run_pair(forward, backward, return_lse=True).forward_result
+    if not (isinstance(with_lse, tuple) and len(with_lse) == 2):
+        return Finding("unknown", "asked for (out, lse), the forward returned something else")
+    return Finding("ok", "the log-sum-exp is computed whenever the autograd context is saved for a backward")
+
+
+_lse_ndim: int | None = None
+
+
+def cudnn_lse_ndim() -> int:
+    """Dims of the log-sum-exp the running torch's cuDNN kernels produce and take (its meta kernel says).
+
+    4, (B, H, S, 1), from torch 2.9 on; 3, (B, H, S), before. Asked once per process.
+    """
+    global _lse_ndim
+    if _lse_ndim is None:
+        try:
+            q = torch.empty(1, 1, 2, 8, dtype=torch.bfloat16, device="meta")
+            _lse_ndim = torch.ops.aten._scaled_dot_product_cudnn_attention(q, q, q, None, True)[1].dim()
+        except Exception:  # noqa: BLE001 - a torch without the meta kernel predates the 4-D form
+            _lse_ndim = 3
+    return _lse_ndim

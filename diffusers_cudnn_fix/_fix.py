@@ -1,0 +1,90 @@
+"""The record every fix module declares, and what its behavioural check returns."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Literal
+
+#: What a check can say about the installed code.
+#: ``broken``: the bug is there; ``ok``: the installed code does the right thing; ``absent``: the functions
+#: do not exist (release without the feature); ``unknown``: unexpected signature or behaviour, left alone.
+State = Literal["broken", "ok", "absent", "unknown"]
+
+#: Looks up an attribute of diffusers' attention module (or a candidate replacing it); None if missing.
+Lookup = Callable[[str], Any]
+
+
+class Record:
+    """A small immutable record with ``__slots__``.
+
+    Used instead of NamedTuple/dataclass for what the hook builds: those generate code with ``exec`` at
+    class creation (about 0.3 ms each), and the hook has a 10 ms budget.
+    """
+
+    __slots__: ClassVar[tuple[str, ...]] = ()
+    _defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if len(args) > len(self.__slots__):
+            raise TypeError(f"{type(self).__name__} takes {len(self.__slots__)} fields")
+        values = dict(zip(self.__slots__, args))
+        for name, value in kwargs.items():
+            if name not in self.__slots__ or name in values:
+                raise TypeError(f"{type(self).__name__}: unexpected or repeated field {name!r}")
+            values[name] = value
+        for name in self.__slots__:
+            if name not in values:
+                if name not in self._defaults:
+                    raise TypeError(f"{type(self).__name__}: missing field {name!r}")
+                values[name] = self._defaults[name]
+            object.__setattr__(self, name, values[name])
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def _fields(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other._fields() == self._fields()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, *self._fields()))
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        return f"{type(self).__name__}({body})"
+
+
+class Finding(Record):
+    """What a check says: a state and one sentence of evidence."""
+
+    __slots__ = ("state", "detail")
+    state: State
+    detail: str
+
+
+class Fix(Record):
+    """One upstream bug and how this package handles it.
+
+    Attributes:
+        id: short stable name, used by ``DIFFUSERS_CUDNN_FIX_SKIP`` and in ``status()``.
+        title: one line saying what goes wrong.
+        upstream: where upstream tracks or fixed it.
+        affected: PEP 440 specifier of the releases known to carry the bug (the release table); it sets
+            expectations only, ``check`` decides. Pre-releases (dev builds) never match: their code can be
+            either, which is what the check is for.
+        targets: attributes of ``diffusers.models.attention_dispatch`` that ``build`` replaces.
+        check: runs the installed code (through the lookup) and says whether the bug is there.
+        build: returns the replacement objects for ``targets``, given the current ones through the lookup.
+            Reverting puts the objects that were there before back, so no fix needs its own undo.
+    """
+
+    __slots__ = ("id", "title", "upstream", "affected", "targets", "check", "build")
+    id: str
+    title: str
+    upstream: str
+    affected: str
+    targets: tuple[str, ...]
+    check: Callable[[Lookup], Finding]
+    build: Callable[[Lookup], Mapping[str, Any]]

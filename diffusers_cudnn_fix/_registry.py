@@ -1,0 +1,319 @@
+"""Apply / revert machinery and the status report. One lock; the shipped objects are kept once.
+
+What is *applied* is never a stored flag: it is read off the live module (is the attribute our
+replacement?), so a reload of diffusers' module or someone else's patch cannot leave the report stale.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from . import _config, _detect, _release_table
+from ._fix import Finding, Fix, Record
+from ._warnings import (
+    FixNotAppliedWarning,
+    ReleaseTableMismatchWarning,
+    StaleReferenceWarning,
+    logger,
+    report,
+)
+
+if TYPE_CHECKING:
+    from ._report import Report
+
+MODULE_NAME = "diffusers.models.attention_dispatch"
+
+# Never hold diffusers' private ops: skipping them keeps the reference scan to a millisecond or two.
+_SCAN_SKIP = frozenset({"torch", "diffusers_cudnn_fix"}) | frozenset(getattr(sys, "stdlib_module_names", ()))
+
+
+class _Record(Record):
+    """What ``apply`` found and did for one fix."""
+
+    __slots__ = ("finding", "reason", "skipped")
+    _defaults = {"skipped": False}
+    finding: Finding  # what the check found on the code as it was before we touched it
+    reason: str
+    skipped: bool
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.module: ModuleType | None = None
+        self.originals: dict[str, Any] = {}  # attribute -> the object that was there before us
+        self.installed: dict[str, Any] = {}  # attribute -> our object
+        self.owner: dict[str, str] = {}  # attribute -> fix id that installed it
+        self.records: dict[str, _Record] = {}
+        self.rebound: list[tuple[str, str, Any, Any]] = []  # (module name, global name, original, ours)
+        self.stale: list[str] = []
+        self.announced = False
+        self.mismatches_reported: set[str] = set()
+
+
+_state = _State()
+
+
+def _fixes() -> tuple[Fix, ...]:
+    from .fixes import ALL_FIXES
+
+    return ALL_FIXES
+
+
+def _diffusers_version() -> str | None:
+    mod = sys.modules.get("diffusers")
+    version = getattr(mod, "__version__", None)
+    return str(version) if version is not None else None
+
+
+def _expected(fix: Fix, version: str | None) -> bool | None:
+    if version is None:
+        return None
+    return _release_table.lists(fix.affected, version)
+
+
+def _ours(module: ModuleType, attr: str) -> bool:
+    return attr in _state.installed and getattr(module, attr, None) is _state.installed[attr]
+
+
+def _forget_stale(module: ModuleType) -> None:
+    """Start over if the module was reloaded or is another object than the one we patched."""
+    if _state.module is module and all(_ours(module, a) for a in _state.installed):
+        return
+    if _state.module is not None and _state.installed:
+        logger.info("%s changed under us (reloaded or re-patched); re-checking it", MODULE_NAME)
+    _state.module = module
+    _state.originals.clear()
+    _state.installed.clear()
+    _state.owner.clear()
+    _state.records.clear()
+    _state.rebound.clear()
+    _state.stale.clear()
+
+
+def apply_to(module: ModuleType, *, scan_references: bool = True) -> None:
+    """Check every fix against ``module`` and install what it shows broken. Idempotent, thread-safe.
+
+    ``scan_references``: afterwards, rebind other modules' globals that still hold a shipped op. The hook
+    skips it when it fires on the module's first import, when nobody can hold one yet.
+    """
+    with _state.lock:
+        if not _config.enabled():
+            return
+        _forget_stale(module)
+        skipped = _config.skipped_fixes()
+        newly: list[str] = []
+        with _detect.shared_runs():
+            for fix in _fixes():
+                if all(_ours(module, t) for t in fix.targets):
+                    continue  # installed by an earlier apply(); its record stands
+                if _apply_one(module, fix, skip=fix.id in skipped):
+                    newly.append(fix.id)
+        if newly and scan_references:
+            _rebind_references(module)
+        _announce(newly)
+
+
+def _apply_one(module: ModuleType, fix: Fix, *, skip: bool) -> bool:
+    def lookup(name: str) -> Any:
+        return getattr(module, name, None)
+
+    finding = fix.check(lookup)
+    if skip:
+        # Checked all the same, so that the report says whether skipping leaves a bug in place.
+        _state.records[fix.id] = _Record(finding, f"skipped by {_config.SKIP_VAR}", skipped=True)
+        if finding.state == "broken":
+            report(
+                f"diffusers_cudnn_fix: '{fix.id}' ({fix.title}) is broken in the installed diffusers and "
+                f"left unfixed because {_config.SKIP_VAR} names it.",
+                FixNotAppliedWarning,
+            )
+        return False
+    if finding.state != "broken":
+        reason = {
+            "ok": f"not needed: {finding.detail}",
+            "absent": f"not applicable: {finding.detail}",
+            "unknown": f"left alone, behaviour unknown: {finding.detail}",
+        }[finding.state]
+        _state.records[fix.id] = _Record(finding, reason)
+        if finding.state == "unknown":
+            report(
+                f"diffusers_cudnn_fix: '{fix.id}' ({fix.title}) {reason}. Training with this backend under "
+                "context parallelism may give wrong gradients; please report your diffusers version.",
+                FixNotAppliedWarning,
+            )
+        return False
+    try:
+        replacements = dict(fix.build(lookup))
+        candidates = {**{t: lookup(t) for t in fix.targets}, **replacements}
+        verified = fix.check(lambda name: candidates.get(name, lookup(name)))
+    except Exception as exc:  # noqa: BLE001 - a failing build leaves diffusers as shipped
+        verified = Finding("unknown", f"building the replacement failed: {type(exc).__name__}: {exc}")
+    if verified.state != "ok":
+        reason = f"found broken, but the replacement did not pass the same check ({verified.detail})"
+        _state.records[fix.id] = _Record(finding, reason)
+        report(f"diffusers_cudnn_fix: '{fix.id}' NOT applied: {reason}.", FixNotAppliedWarning)
+        return False
+    for attr, new in replacements.items():
+        _state.originals.setdefault(attr, getattr(module, attr, None))
+        setattr(module, attr, new)
+        _state.installed[attr] = new
+        _state.owner[attr] = fix.id
+    _state.records[fix.id] = _Record(finding, f"fixed: {finding.detail}")
+    return True
+
+
+def _module_namespaces(skip: ModuleType) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Namespaces of diffusers' own modules and of the user's code: third-party packages are skipped."""
+    for name, mod in list(sys.modules.items()):
+        top = name.partition(".")[0]
+        if mod is None or mod is skip or top in _SCAN_SKIP:
+            continue
+        path = getattr(mod, "__file__", None) or ""
+        if top != "diffusers" and ("site-packages" in path or "dist-packages" in path):
+            continue
+        namespace = getattr(mod, "__dict__", None)
+        if isinstance(namespace, dict):
+            yield name, namespace
+
+
+def _rebind_references(module: ModuleType) -> None:
+    """Rebind module globals that still hold a shipped op (``from ... import _cudnn_..._op`` copies)."""
+    by_id = {id(orig): attr for attr, orig in _state.originals.items() if orig is not None}
+    if not by_id:
+        return
+    for mod_name, namespace in _module_namespaces(module):
+        for global_name, value in list(namespace.items()):
+            attr = by_id.get(id(value))
+            if attr is None or value is not _state.originals[attr]:
+                continue
+            try:
+                namespace[global_name] = _state.installed[attr]
+            except Exception:  # noqa: BLE001 - a read-only namespace: say so instead
+                ref = f"{mod_name}.{global_name}"
+                _state.stale.append(ref)
+                report(
+                    f"diffusers_cudnn_fix: {ref} holds the shipped {attr} and could not be rebound; "
+                    "calls through it still use the buggy op.",
+                    StaleReferenceWarning,
+                )
+                continue
+            _state.rebound.append((mod_name, global_name, value, _state.installed[attr]))
+            logger.info("rebound %s.%s to the corrected %s", mod_name, global_name, attr)
+
+
+def _announce(newly: list[str]) -> None:
+    """Say once what was applied, where the release table and the check disagree, or that we are not needed."""
+    version = _diffusers_version()
+    for fix in _fixes():
+        record = _state.records.get(fix.id)
+        expected = _expected(fix, version)
+        if record is None or expected is None or record.finding.state not in ("broken", "ok"):
+            continue
+        found = record.finding.state == "broken"
+        if expected != found and fix.id not in _state.mismatches_reported:
+            _state.mismatches_reported.add(fix.id)
+            report(
+                f"diffusers_cudnn_fix: the release table says diffusers {version} "
+                f"{'carries' if expected else 'does not carry'} '{fix.id}', but the installed code "
+                f"{'does' if found else 'does not'}; acting on the code.",
+                ReleaseTableMismatchWarning,
+            )
+    if newly:
+        logger.info("diffusers_cudnn_fix: diffusers %s: applied %s", version, ", ".join(newly))
+    elif not _state.announced and not any(r.finding.state in ("broken", "unknown") for r in _state.records.values()):
+        logger.info(
+            "diffusers_cudnn_fix: diffusers %s needs none of the fixes (%s); the package can be removed for them.",
+            version,
+            ", ".join(f.id for f in _fixes()),
+        )
+    _state.announced = True
+
+
+def revert() -> Report:
+    """Put back exactly the objects that were there before us. Idempotent, thread-safe."""
+    with _state.lock:
+        module = _state.module
+        if module is not None:
+            for attr, original in _state.originals.items():
+                if _ours(module, attr):
+                    setattr(module, attr, original)
+                else:
+                    logger.warning("%s.%s was changed by someone else since we patched it; left as is", MODULE_NAME, attr)
+            for mod_name, global_name, original, ours in _state.rebound:
+                namespace = getattr(sys.modules.get(mod_name), "__dict__", None)
+                if isinstance(namespace, dict) and namespace.get(global_name) is ours:
+                    namespace[global_name] = original
+            _state.originals.clear()
+            _state.installed.clear()
+            _state.owner.clear()
+            _state.rebound.clear()
+            _state.stale.clear()
+            for fix_id, record in list(_state.records.items()):
+                _state.records[fix_id] = _Record(record.finding, "reverted by revert()", record.skipped)
+        return status()
+
+
+def original(attr: str) -> Any:
+    """The object that was in ``diffusers.models.attention_dispatch.<attr>`` before we patched it.
+
+    Returns the live attribute when we did not patch it (so callers always get the shipped code).
+    """
+    with _state.lock:
+        if attr in _state.originals:
+            return _state.originals[attr]
+        return getattr(sys.modules.get(MODULE_NAME), attr, None)
+
+
+def is_patched(attr: str) -> bool:
+    """Whether our replacement sits in ``diffusers.models.attention_dispatch.<attr>`` right now."""
+    module = sys.modules.get(MODULE_NAME)
+    with _state.lock:
+        return module is not None and _ours(module, attr)
+
+
+def status() -> Report:
+    """A structured report of versions and of every fix's state (see :class:`Report`)."""
+    from ._report import FixStatus, Report
+
+    with _state.lock:
+        enabled = _config.enabled()
+        module = sys.modules.get(MODULE_NAME)
+        version = _diffusers_version()
+        torch_mod = sys.modules.get("torch")
+        fixes = []
+        for fix in _fixes():
+            record = _state.records.get(fix.id) if module is not None and module is _state.module else None
+            applied = module is not None and all(_ours(module, t) for t in fix.targets)
+            if not enabled and not applied:
+                detected, reason = "disabled", f"package switched off by {_config.ENABLE_VAR}"
+            elif record is None:
+                detected, reason = "pending", f"{MODULE_NAME} not imported (or not checked) yet"
+            else:
+                detected, reason = record.finding.state, record.reason
+            if record is not None and applied is False and record.reason.startswith("fixed"):
+                reason = "was fixed, but the module no longer holds our replacement (reloaded?): call apply()"
+            fixes.append(
+                FixStatus(
+                    id=fix.id,
+                    title=fix.title,
+                    upstream=fix.upstream,
+                    affected=fix.affected,
+                    expected=_expected(fix, version),
+                    detected=detected,
+                    applied=applied,
+                    reason=reason,
+                )
+            )
+        return Report(
+            enabled=enabled,
+            diffusers_version=version,
+            torch_version=getattr(torch_mod, "__version__", None),
+            module_loaded=module is not None,
+            fixes=tuple(fixes),
+            stale_references=tuple(_state.stale),
+        )

@@ -1,0 +1,45 @@
+"""The package's warning categories and the one helper that reports a problem.
+
+Every problem the package meets at import or hook time becomes a warning of one of these categories
+plus a ``logging`` record on the ``diffusers_cudnn_fix`` logger, never an exception in the host's
+import. Filter them like any warning::
+
+    warnings.simplefilter("error", diffusers_cudnn_fix.DiffusersCudnnFixWarning)
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+logger = logging.getLogger("diffusers_cudnn_fix")
+
+
+class DiffusersCudnnFixWarning(RuntimeWarning):
+    """Base category of every warning this package emits."""
+
+
+class FixNotAppliedWarning(DiffusersCudnnFixWarning):
+    """A bug was found (or could not be ruled out) but its fix is not active: gradients may be wrong."""
+
+
+class ReleaseTableMismatchWarning(DiffusersCudnnFixWarning):
+    """The behavioural check disagrees with what the release table expects for this diffusers version."""
+
+
+class StaleReferenceWarning(DiffusersCudnnFixWarning):
+    """Some object still holds a shipped (buggy) function that the package could not rebind."""
+
+
+def report(message: str, category: type[DiffusersCudnnFixWarning], *, stacklevel: int = 2) -> None:
+    """Log ``message`` at WARNING and emit it as a warning of ``category``.
+
+    Never raises, even when a filter turns the category into an error: the host's import must not break
+    because of us (a user who wants a hard stop uses the strict switches, which raise on purpose).
+    """
+    logger.warning(message)
+    try:
+        warnings.warn(message, category, stacklevel=stacklevel + 1)
+    except Warning:
+        # "error" filters turn the warning into an exception; it is already logged above.
+        pass
