@@ -81,18 +81,31 @@ def _ours(module: ModuleType, attr: str) -> bool:
 
 
 def _forget_stale(module: ModuleType) -> None:
-    """Start over if the module was reloaded or is another object than the one we patched."""
-    if _state.module is module and all(_ours(module, a) for a in _state.installed):
+    """Drop what no longer describes the live module, so the next check sees the code as it is now.
+
+    Another module object (``sys.modules`` entry replaced): start over. The same object with one of our
+    replacements gone (``importlib.reload``, another patcher): forget that fix, first putting back the
+    originals of any of its other targets that still hold our objects, so it is re-checked whole.
+    """
+    if _state.module is not module:
+        _state.module = module
+        _state.originals.clear()
+        _state.installed.clear()
+        _state.owner.clear()
+        _state.records.clear()
+        _state.rebound.clear()
+        _state.stale.clear()
         return
-    if _state.module is not None and _state.installed:
-        logger.info("%s changed under us (reloaded or re-patched); re-checking it", MODULE_NAME)
-    _state.module = module
-    _state.originals.clear()
-    _state.installed.clear()
-    _state.owner.clear()
-    _state.records.clear()
-    _state.rebound.clear()
-    _state.stale.clear()
+    for fix in _fixes():
+        targets = [t for t in fix.targets if _state.owner.get(t) == fix.id]
+        if not targets or all(_ours(module, t) for t in targets):
+            continue
+        logger.info("%s: '%s' no longer in place (reloaded or re-patched); re-checking it", MODULE_NAME, fix.id)
+        for attr in targets:
+            if _ours(module, attr):
+                setattr(module, attr, _state.originals[attr])
+            del _state.installed[attr], _state.originals[attr], _state.owner[attr]
+        _state.records.pop(fix.id, None)
 
 
 def apply_to(module: ModuleType, *, scan_references: bool = True) -> None:
@@ -107,15 +120,29 @@ def apply_to(module: ModuleType, *, scan_references: bool = True) -> None:
         _forget_stale(module)
         skipped = _config.skipped_fixes()
         newly: list[str] = []
-        with _detect.shared_runs():
-            for fix in _fixes():
-                if all(_ours(module, t) for t in fix.targets):
-                    continue  # installed by an earlier apply(); its record stands
-                if _apply_one(module, fix, skip=fix.id in skipped):
-                    newly.append(fix.id)
+        try:
+            with _detect.shared_runs():
+                for fix in _fixes():
+                    if all(_ours(module, t) for t in fix.targets):
+                        continue  # installed by an earlier apply(); its record stands
+                    if _apply_one(module, fix, skip=fix.id in skipped):
+                        newly.append(fix.id)
+        except BaseException:
+            _uninstall(module, newly)  # nothing half-applied: take out what this call put in
+            raise
         if newly and scan_references:
             _rebind_references(module)
         _announce(newly)
+
+
+def _uninstall(module: ModuleType, fix_ids: list[str]) -> None:
+    for attr, owner in list(_state.owner.items()):
+        if owner in fix_ids:
+            if _ours(module, attr):
+                setattr(module, attr, _state.originals[attr])
+            del _state.installed[attr], _state.originals[attr], _state.owner[attr]
+    for fix_id in fix_ids:
+        _state.records.pop(fix_id, None)
 
 
 def _apply_one(module: ModuleType, fix: Fix, *, skip: bool) -> bool:
@@ -212,17 +239,20 @@ def _announce(newly: list[str]) -> None:
     for fix in _fixes():
         record = _state.records.get(fix.id)
         expected = _expected(fix, version)
-        if record is None or expected is None or record.finding.state not in ("broken", "ok"):
+        if record is None or expected is None or fix.id in _state.mismatches_reported:
             continue
-        found = record.finding.state == "broken"
-        if expected != found and fix.id not in _state.mismatches_reported:
-            _state.mismatches_reported.add(fix.id)
-            report(
-                f"diffusers_cudnn_fix: the release table says diffusers {version} "
+        state = record.finding.state
+        if state == "absent" and expected:
+            message = f"carries '{fix.id}', but the functions it patches are not there (renamed?): nothing to fix"
+        elif state in ("broken", "ok") and expected != (state == "broken"):
+            message = (
                 f"{'carries' if expected else 'does not carry'} '{fix.id}', but the installed code "
-                f"{'does' if found else 'does not'}; acting on the code.",
-                ReleaseTableMismatchWarning,
+                f"{'does' if state == 'broken' else 'does not'}; acting on the code"
             )
+        else:
+            continue
+        _state.mismatches_reported.add(fix.id)
+        report(f"diffusers_cudnn_fix: the release table says diffusers {version} {message}.", ReleaseTableMismatchWarning)
     if newly:
         logger.info("diffusers_cudnn_fix: diffusers %s: applied %s", version, ", ".join(newly))
     elif not _state.announced and not any(r.finding.state in ("broken", "unknown") for r in _state.records.values()):

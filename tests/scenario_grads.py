@@ -1,0 +1,143 @@
+"""Gradients of diffusers' own context-parallel attention op pairs, on CPU stand-in kernels.
+
+Run in a fresh interpreter by the release-matrix tests::
+
+    python -c "import scenario_grads; scenario_grads.main('package_first')"
+
+It imports diffusers and (unless ``order == 'none'``) this package in the given order, registers the CPU
+stand-ins for the ATen cuDNN / flash SDPA ops, and drives diffusers' installed forward/backward ops the way
+``TemplatedUlyssesAttention`` does: inside an ``autograd.Function``, on fresh tensors made under no-grad,
+with a context-parallel config of world size 2. Gradients are compared with an fp32 eager reference.
+Prints one JSON line: per backend / shape / return_lse, the errors and whether they pass.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from typing import Any
+
+#: (name, B, S_q, S_kv, H, D). num_heads == seq_len is where no shape check can catch a transposition.
+CASES = (
+    ("heads_eq_seq", 2, 16, 16, 16, 64),
+    ("heads_ne_seq", 2, 128, 128, 8, 64),
+    ("sq_ne_skv", 1, 12, 20, 4, 32),
+)
+BACKENDS = {
+    "cudnn": ("_cudnn_attention_forward_op", "_cudnn_attention_backward_op"),
+    "flash": ("_native_flash_attention_forward_op", "_native_flash_attention_backward_op"),
+}
+
+
+def import_in_order(order: str) -> types.ModuleType:
+    if order == "package_first":
+        import diffusers_cudnn_fix  # noqa: F401
+        import diffusers.models.attention_dispatch as module
+    elif order == "diffusers_first":
+        import diffusers.models.attention_dispatch as module
+
+        import diffusers_cudnn_fix  # noqa: F401
+    elif order == "none":
+        import diffusers.models.attention_dispatch as module
+    else:
+        raise ValueError(order)
+    return module
+
+
+def passes(errors: dict[str, float], bf16_errors: dict[str, float], magnitudes: dict[str, float]) -> bool:
+    """PyTorch's fused-attention rule: within 5x a bf16 eager reference's own error (with a floor of 1% of
+    the value's magnitude, since the bf16 reference can be almost exact on CPU); NaN fails."""
+    for name, err in errors.items():
+        if err != err or err > max(5 * bf16_errors[name], 0.01 * magnitudes[name]):
+            return False
+    return True
+
+
+def run_case(module: types.ModuleType, backend: str, case: tuple, return_lse: bool) -> dict[str, Any]:
+    import torch
+
+    from standin_kernels import max_abs_error, reference_attention
+
+    fwd_name, bwd_name = BACKENDS[backend]
+    if not hasattr(module, fwd_name) or not hasattr(module, bwd_name):
+        return {"status": "absent"}
+    _, batch, seq_q, seq_kv, heads, dim = case
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(batch, s, heads, dim, generator=gen).to(torch.bfloat16) for s in (seq_q, seq_kv, seq_kv)
+    )
+    grad_out = torch.randn(batch, seq_q, heads, dim, generator=gen).to(torch.bfloat16)
+    parallel_config = types.SimpleNamespace(
+        context_parallel_config=types.SimpleNamespace(_world_size=2, ring_degree=1, ulysses_degree=2)
+    )
+
+    class Harness(torch.autograd.Function):
+        """What TemplatedUlyssesAttention does around the ops, minus the all-to-alls."""
+
+        @staticmethod
+        def forward(ctx, query, key, value):
+            # Fresh tensors, as after the all-to-all: requires_grad is False on what reaches the op.
+            query, key, value = (x.clone() for x in (query, key, value))
+            out = getattr(module, fwd_name)(
+                ctx, query, key, value, None, 0.0, False, None, False, return_lse,
+                _save_ctx=True, _parallel_config=parallel_config,
+            )
+            return out[0] if return_lse else out
+
+        @staticmethod
+        def backward(ctx, grad):
+            grads = getattr(module, bwd_name)(ctx, grad)
+            return grads[0], grads[1], grads[2]
+
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    try:
+        out = Harness.apply(*leaves)
+        out.backward(grad_out)
+    except Exception as exc:  # noqa: BLE001 - a raising op is a result
+        return {"status": "raised", "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    got = {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+
+    def reference(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        ref_leaves = [x.to(dtype).transpose(1, 2).detach().requires_grad_(True) for x in (q, k, v)]
+        if dtype == torch.float32:
+            ref_out = reference_attention(*ref_leaves)
+        else:
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+                ref_out = torch.nn.functional.scaled_dot_product_attention(*ref_leaves)
+        ref_out.backward(grad_out.to(dtype).transpose(1, 2))
+        tensors = [ref_out.detach(), *(x.grad for x in ref_leaves)]
+        return dict(zip(("out", "dq", "dk", "dv"), (t.transpose(1, 2).float() for t in tensors)))
+
+    golden, bf16 = reference(torch.float32), reference(torch.bfloat16)
+    errors = {n: max_abs_error(got[n].float(), golden[n]) for n in got}
+    bf16_errors = {n: max_abs_error(bf16[n], golden[n]) for n in got}
+    magnitudes = {n: golden[n].abs().max().item() for n in got}
+    return {
+        "status": "pass" if passes(errors, bf16_errors, magnitudes) else "wrong",
+        "errors": errors,
+        "bf16_errors": bf16_errors,
+        "magnitudes": magnitudes,
+    }
+
+
+def main(order: str) -> None:
+    module = import_in_order(order)
+    import standin_kernels
+
+    standin_kernels.register()
+    results = {}
+    for backend in BACKENDS:
+        for case in CASES:
+            for return_lse in (False, True):
+                results[f"{backend}/{case[0]}/return_lse={return_lse}"] = run_case(module, backend, case, return_lse)
+    report = None
+    if "diffusers_cudnn_fix" in sys.modules:
+        report = sys.modules["diffusers_cudnn_fix"].status().to_dict()
+    import diffusers
+
+    print(json.dumps({"version": diffusers.__version__, "order": order, "status": report, "cases": results}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,197 @@
+"""apply / revert / status in one process, on diffusers 0.39.0 (every bug present)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+
+import pytest
+
+import diffusers_cudnn_fix
+from diffusers_cudnn_fix import _registry
+
+TARGETS = ("_cudnn_attention_forward_op", "_cudnn_attention_backward_op", "_native_flash_attention_backward_op")
+
+
+def _shipped(module: types.ModuleType) -> dict[str, object]:
+    diffusers_cudnn_fix.revert()
+    return {name: getattr(module, name) for name in TARGETS}
+
+
+def test_apply_replaces_and_revert_restores_the_exact_objects(dispatch_module: types.ModuleType) -> None:
+    shipped = _shipped(dispatch_module)
+    report = diffusers_cudnn_fix.apply()
+    assert report.ok
+    for name in TARGETS:
+        assert getattr(dispatch_module, name) is not shipped[name]
+        assert diffusers_cudnn_fix.is_patched(name)
+        assert diffusers_cudnn_fix.get_original(name) is shipped[name]
+    installed = {name: getattr(dispatch_module, name) for name in TARGETS}
+    diffusers_cudnn_fix.apply()  # idempotent: nothing is replaced twice
+    assert {name: getattr(dispatch_module, name) for name in TARGETS} == installed
+    report = diffusers_cudnn_fix.revert()
+    for name in TARGETS:
+        assert getattr(dispatch_module, name) is shipped[name]
+        assert not diffusers_cudnn_fix.is_patched(name)
+    assert not report.ok  # the bugs are back, and the report says so
+    diffusers_cudnn_fix.revert()  # idempotent
+    assert {name: getattr(dispatch_module, name) for name in TARGETS} == shipped
+    diffusers_cudnn_fix.apply()  # and apply again after revert
+    assert all(diffusers_cudnn_fix.is_patched(name) for name in TARGETS)
+
+
+def test_status_reports_each_fix(patched: types.ModuleType) -> None:
+    report = diffusers_cudnn_fix.status()
+    assert report.enabled and report.module_loaded and report.ok
+    assert report.diffusers_version == "0.39.0"
+    by_id = {f.id: f for f in report.fixes}
+    assert set(by_id) == {"cudnn_forward_lse", "cudnn_backward_kv", "flash_backward_kv"}
+    for fix in by_id.values():
+        assert fix.expected is True and fix.detected == "broken" and fix.applied, fix
+        assert fix.reason.startswith("fixed:")
+    data = report.to_dict()
+    assert data["ok"] is True and len(data["fixes"]) == 3
+    text = str(report)
+    assert "verdict: OK" in text and "cudnn_backward_kv" in text
+
+
+def test_threads_applying_at_once_install_each_fix_once(dispatch_module: types.ModuleType) -> None:
+    shipped = _shipped(dispatch_module)
+    barrier = threading.Barrier(8)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            barrier.wait()
+            diffusers_cudnn_fix.apply()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for name in TARGETS:
+        assert diffusers_cudnn_fix.get_original(name) is shipped[name]
+    # Racing revert and apply: whatever interleaving, the end state is one of the two, never a mix.
+    threads = [threading.Thread(target=diffusers_cudnn_fix.revert if i % 2 else diffusers_cudnn_fix.apply) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    patched_now = {diffusers_cudnn_fix.is_patched(name) for name in TARGETS}
+    assert len(patched_now) == 1
+    diffusers_cudnn_fix.revert()
+    assert {name: getattr(dispatch_module, name) for name in TARGETS} == shipped
+
+
+def test_modules_holding_a_shipped_op_are_rebound_and_restored(dispatch_module: types.ModuleType) -> None:
+    shipped = _shipped(dispatch_module)
+    user = types.ModuleType("user_training_code")
+    user.backward_op = dispatch_module._cudnn_attention_backward_op  # as `from ... import ... as backward_op`
+    sys.modules[user.__name__] = user
+    try:
+        diffusers_cudnn_fix.apply()
+        assert user.backward_op is dispatch_module._cudnn_attention_backward_op
+        assert user.backward_op is not shipped["_cudnn_attention_backward_op"]
+        diffusers_cudnn_fix.revert()
+        assert user.backward_op is shipped["_cudnn_attention_backward_op"]
+    finally:
+        del sys.modules[user.__name__]
+
+
+def test_a_replaced_module_object_is_rechecked(dispatch_module: types.ModuleType) -> None:
+    """If the module's attributes change under us (reload, another patcher), status says so and apply redoes it."""
+    shipped = _shipped(dispatch_module)
+    diffusers_cudnn_fix.apply()
+    ours = dispatch_module._cudnn_attention_backward_op
+    try:
+        dispatch_module._cudnn_attention_backward_op = shipped["_cudnn_attention_backward_op"]  # as a reload would
+        report = diffusers_cudnn_fix.status()
+        kv = next(f for f in report.fixes if f.id == "cudnn_backward_kv")
+        assert not kv.applied and "reloaded" in kv.reason and not report.ok
+        diffusers_cudnn_fix.apply()
+        assert diffusers_cudnn_fix.is_patched("_cudnn_attention_backward_op")
+        assert diffusers_cudnn_fix.get_original("_cudnn_attention_backward_op") is shipped["_cudnn_attention_backward_op"]
+    finally:
+        diffusers_cudnn_fix.revert()
+        assert dispatch_module._cudnn_attention_backward_op is shipped["_cudnn_attention_backward_op"]
+        del ours
+
+
+def test_second_apply_rechecks_nothing(patched: types.ModuleType) -> None:
+    """A second apply() finds everything installed and re-runs no check (the registry keeps its records)."""
+    calls = []
+    original = _registry._apply_one
+    _registry._apply_one = lambda *a, **k: calls.append(a) or original(*a, **k)  # type: ignore[assignment]
+    try:
+        diffusers_cudnn_fix.apply()
+    finally:
+        _registry._apply_one = original  # type: ignore[assignment]
+    assert calls == []
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+def test_replacements_trace_under_torch_compile_fullgraph(dispatch_module: types.ModuleType, backend: str) -> None:
+    """The corrected ops compile with fullgraph=True wherever the shipped ones do, and compute the same."""
+    import torch
+
+    names = {
+        "cudnn": ("_cudnn_attention_forward_op", "_cudnn_attention_backward_op"),
+        "flash": ("_native_flash_attention_forward_op", "_native_flash_attention_backward_op"),
+    }[backend]
+
+    def make_step():
+        class Harness(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, v):
+                q, k, v = (x.clone() for x in (q, k, v))
+                # return_lse=True: the shipped cuDNN forward then computes the log-sum-exp too, so the
+                # shipped pair runs (wrongly) rather than failing for that other bug.
+                return getattr(dispatch_module, names[0])(
+                    ctx, q, k, v, None, 0.0, False, None, False, True, _save_ctx=True, _parallel_config=None
+                )[0]
+
+            @staticmethod
+            def backward(ctx, grad):
+                dq, dk, dv = getattr(dispatch_module, names[1])(ctx, grad)[:3]
+                return dq, dk, dv
+
+        def step(q, k, v):
+            return Harness.apply(q, k, v)
+
+        return step
+
+    gen = torch.Generator().manual_seed(0)
+    # num_heads == seq_len (16): the shipped backward traces too (no shape error), just computes garbage.
+    q, k, v, g = (torch.randn(2, 16, 16, 32, generator=gen).to(torch.bfloat16) for _ in range(4))
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+
+    def run(step) -> tuple[torch.Tensor, ...]:
+        out = step(q, k, v)
+        return (out, *torch.autograd.grad(out, (q, k, v), g))
+
+    def compiles() -> tuple[bool, object]:
+        # AOTAutograd traces the autograd.Function's backward together with its forward.
+        torch._dynamo.reset()
+        try:
+            return True, run(torch.compile(make_step(), fullgraph=True, backend="aot_eager"))
+        except Exception as exc:  # noqa: BLE001
+            return False, exc
+
+    diffusers_cudnn_fix.revert()
+    shipped_ok, shipped_result = compiles()
+    diffusers_cudnn_fix.apply()
+    try:
+        if not shipped_ok:
+            pytest.skip(f"the shipped ops do not compile with fullgraph=True on this torch: {shipped_result}")
+        ours_ok, compiled = compiles()
+        assert ours_ok, compiled
+        eager = run(make_step())
+        for a, b in zip(compiled, eager):
+            assert torch.equal(a, b)
+    finally:
+        torch._dynamo.reset()

@@ -1,0 +1,330 @@
+"""Import never breaks the host; switches; odd diffusers builds. Each case in a fresh interpreter."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+from releases import release_dir, relabelled_copy, run
+
+PREAMBLE = """
+import json, logging, sys, warnings
+warnings.simplefilter("always")
+records = []
+class _H(logging.Handler):
+    def emit(self, record): records.append(record.getMessage())
+logging.getLogger("diffusers_cudnn_fix").addHandler(_H())
+logging.getLogger("diffusers_cudnn_fix").setLevel(logging.INFO)
+caught = warnings.catch_warnings(record=True)
+seen = caught.__enter__()
+def ours():
+    return [(w.category.__name__, str(w.message)) for w in seen if w.category.__module__.startswith("diffusers_cudnn_fix")]
+def done(**extra):
+    import diffusers_cudnn_fix
+    print(json.dumps({"status": diffusers_cudnn_fix.status().to_dict(), "warnings": ours(), "logs": records, **extra}))
+"""
+
+
+def script(body: str) -> str:
+    return PREAMBLE + textwrap.dedent(body)
+
+
+def test_import_without_diffusers_loads_nothing_heavy() -> None:
+    result = run(
+        None,
+        script(
+            """
+            before = set(sys.modules)
+            import wrapt
+            with_wrapt = set(sys.modules)
+            import diffusers_cudnn_fix
+            added = sorted(m for m in set(sys.modules) - with_wrapt if not m.startswith("diffusers_cudnn_fix"))
+            heavy = sorted(m for m in ("torch", "diffusers", "packaging", "numpy") if m in sys.modules)
+            done(added=added, heavy=heavy)
+            """
+        ),
+    )
+    assert result["heavy"] == []
+    # Nothing beyond what wrapt itself imports (`from __future__ import annotations` loads that tiny module).
+    assert set(result["added"]) <= {"__future__"}, result["added"]
+    assert result["status"]["module_loaded"] is False and result["status"]["ok"] is True
+    assert {f["detected"] for f in result["status"]["fixes"]} == {"pending"}
+    assert result["warnings"] == []
+
+
+@pytest.mark.parametrize("order", ["package_first", "diffusers_first"])
+def test_import_never_initialises_cuda(order: str) -> None:
+    first, second = "import diffusers_cudnn_fix", "import diffusers.models.attention_dispatch"
+    if order == "diffusers_first":
+        first, second = second, first
+    result = run(
+        release_dir("0.39.0"),
+        script(
+            f"""
+            {first}
+            {second}
+            import torch
+            done(cuda_initialized=torch.cuda.is_initialized())
+            """
+        ),
+    )
+    assert result["cuda_initialized"] is False
+    assert result["status"]["ok"] is True
+
+
+def test_off_switch_leaves_diffusers_as_shipped() -> None:
+    result = run(
+        release_dir("0.39.0"),
+        script(
+            """
+            import diffusers_cudnn_fix
+            import diffusers.models.attention_dispatch as m
+            shipped = m._cudnn_attention_backward_op
+            report = diffusers_cudnn_fix.apply()  # explicit apply obeys the switch too
+            done(untouched=m._cudnn_attention_backward_op is shipped, module=m._cudnn_attention_backward_op.__module__)
+            """
+        ),
+        env={"DIFFUSERS_CUDNN_FIX": "0"},
+    )
+    assert result["untouched"] is True
+    assert result["module"] == "diffusers.models.attention_dispatch"
+    assert result["status"]["enabled"] is False
+    assert {f["detected"] for f in result["status"]["fixes"]} == {"disabled"}
+    assert result["warnings"] == [] and result["logs"] == []
+
+
+def test_skip_switch_checks_but_leaves_the_named_fix_and_says_so() -> None:
+    result = run(
+        release_dir("0.39.0"),
+        script(
+            """
+            import diffusers_cudnn_fix
+            import diffusers.models.attention_dispatch
+            done()
+            """
+        ),
+        env={"DIFFUSERS_CUDNN_FIX_SKIP": "flash_backward_kv"},
+    )
+    fixes = {f["id"]: f for f in result["status"]["fixes"]}
+    assert fixes["flash_backward_kv"]["applied"] is False
+    assert fixes["flash_backward_kv"]["detected"] == "broken"
+    assert "skipped" in fixes["flash_backward_kv"]["reason"]
+    assert fixes["cudnn_backward_kv"]["applied"] is True
+    assert result["status"]["ok"] is False  # skipping a broken fix is not "OK"
+    assert any(c == "FixNotAppliedWarning" and "flash_backward_kv" in m for c, m in result["warnings"])
+
+
+def test_skipping_the_lse_fix_turns_garbage_into_a_clear_error() -> None:
+    """With only the K/V fix, the corrected backward refuses a missing log-sum-exp instead of computing garbage."""
+    result = run(
+        release_dir("0.39.0"),
+        script(
+            """
+            import diffusers_cudnn_fix
+            import scenario_grads
+            module = scenario_grads.import_in_order("package_first")
+            import standin_kernels
+            standin_kernels.register()
+            case = scenario_grads.CASES[0]
+            done(
+                without_lse=scenario_grads.run_case(module, "cudnn", case, False),
+                with_lse=scenario_grads.run_case(module, "cudnn", case, True),
+            )
+            """
+        ),
+        env={"DIFFUSERS_CUDNN_FIX_SKIP": "cudnn_forward_lse"},
+    )
+    assert result["without_lse"]["status"] == "raised"
+    assert "cudnn_forward_lse" in result["without_lse"]["error"]
+    assert "diffusers_cudnn_fix" in result["without_lse"]["error"]
+    assert result["with_lse"]["status"] == "pass"
+
+
+def test_warnings_as_errors_do_not_break_the_import() -> None:
+    result = run(
+        release_dir("0.39.0"),
+        script(
+            """
+            import diffusers_cudnn_fix
+            warnings.simplefilter("error", diffusers_cudnn_fix.DiffusersCudnnFixWarning)
+            import diffusers_cudnn_fix._registry as registry
+            registry.apply_to = lambda *a, **k: 1 / 0  # an internal failure inside the hook
+            import diffusers.models.attention_dispatch as m
+            done(untouched=m._cudnn_attention_backward_op.__module__ == "diffusers.models.attention_dispatch")
+            """
+        ),
+    )
+    assert result["untouched"] is True
+    assert any("internal error" in line for line in result["logs"])
+
+
+def test_internal_error_in_the_hook_warns_and_leaves_diffusers_as_shipped() -> None:
+    result = run(
+        release_dir("0.39.0"),
+        script(
+            """
+            import diffusers_cudnn_fix._registry as registry
+            real = registry._apply_one
+            def half_then_fail(module, fix, **kw):
+                if fix.id == "cudnn_backward_kv":
+                    raise RuntimeError("boom")
+                return real(module, fix, **kw)
+            registry._apply_one = half_then_fail
+            import diffusers_cudnn_fix
+            import diffusers.models.attention_dispatch as m
+            names = ["_cudnn_attention_forward_op", "_cudnn_attention_backward_op", "_native_flash_attention_backward_op"]
+            done(untouched=[getattr(m, n).__module__ == "diffusers.models.attention_dispatch" for n in names])
+            """
+        ),
+    )
+    # Nothing half-applied: the forward fix that went in before the failure was taken out again.
+    assert result["untouched"] == [True, True, True]
+    assert any(c == "FixNotAppliedWarning" and "internal error" in m for c, m in result["warnings"])
+
+
+FAKE_INIT = '__version__ = "{version}"\n'
+FAKE_DISPATCH_HEADER = "import torch\n"
+
+
+def _fake_diffusers(tmp_path: Path, version: str, dispatch_body: str) -> Path:
+    pkg = tmp_path / "diffusers"
+    (pkg / "models").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE_INIT.format(version=version))
+    (pkg / "models" / "__init__.py").write_text("")
+    (pkg / "models" / "attention_dispatch.py").write_text(FAKE_DISPATCH_HEADER + textwrap.dedent(dispatch_body))
+    return tmp_path
+
+
+ODD_BUILDS = {
+    "renamed": """
+        def _cudnn_attention_fwd(ctx, query, key, value):
+            return query
+        """,
+    "other_signature": """
+        def _cudnn_attention_forward_op(ctx, q, k, v, mask=None, dropout=0.0, causal=False, scale=None,
+                                        gqa=False, lse=False, _save_ctx=True, _parallel_config=None):
+            return q
+        def _cudnn_attention_backward_op(ctx, grad_out, *args, **kwargs):
+            return grad_out, grad_out, grad_out
+        """,
+    "raises_when_called": """
+        def _cudnn_attention_forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                        scale=None, enable_gqa=False, return_lse=False, _save_ctx=True,
+                                        _parallel_config=None):
+            raise RuntimeError("this build needs a GPU")
+        def _cudnn_attention_backward_op(ctx, grad_out, *args, **kwargs):
+            raise RuntimeError("this build needs a GPU")
+        """,
+    "not_functions": """
+        _cudnn_attention_forward_op = None
+        _cudnn_attention_backward_op = 42
+        """,
+}
+
+
+@pytest.mark.parametrize("build", sorted(ODD_BUILDS))
+@pytest.mark.parametrize("order", ["package_first", "diffusers_first"])
+def test_odd_builds_never_raise_and_are_left_alone(tmp_path: Path, build: str, order: str) -> None:
+    site = _fake_diffusers(tmp_path, "0.39.0", ODD_BUILDS[build])
+    first, second = "import diffusers_cudnn_fix", "import diffusers.models.attention_dispatch as m"
+    if order == "diffusers_first":
+        first, second = second, first
+    result = run(
+        site,
+        script(
+            f"""
+            {first}
+            {second}
+            import diffusers.models.attention_dispatch as m
+            done(attrs={{n: repr(getattr(m, n, None))[:40] for n in ("_cudnn_attention_forward_op", "_cudnn_attention_backward_op")}},
+                 foreign=[n for n in dir(m) if getattr(getattr(m, n), "__module__", "") and getattr(getattr(m, n), "__module__", "").startswith("diffusers_cudnn_fix")])
+            """
+        ),
+    )
+    assert result["foreign"] == []  # nothing of ours went in
+    fixes = {f["id"]: f for f in result["status"]["fixes"]}
+    cudnn = {fixes["cudnn_forward_lse"]["detected"], fixes["cudnn_backward_kv"]["detected"]}
+    if build in ("renamed", "not_functions"):
+        assert cudnn <= {"absent", "unknown"}
+    else:
+        assert cudnn == {"unknown"}
+        assert result["status"]["ok"] is False  # an affected version we cannot vouch for is not OK
+        assert any(c == "FixNotAppliedWarning" for c, _ in result["warnings"])
+    if build in ("renamed", "not_functions"):
+        # The release table lists 0.39.0 as affected, but nothing is there to check: say so.
+        assert any(c == "ReleaseTableMismatchWarning" for c, _ in result["warnings"])
+
+
+def test_dev_build_with_the_old_code_is_fixed() -> None:
+    """0.40.0.dev0 before upstream's fix: the table does not list it, the check finds the bugs."""
+    result = run(
+        relabelled_copy("0.39.0", "0.40.0.dev0"),
+        script("import diffusers_cudnn_fix, diffusers.models.attention_dispatch\ndone()\n"),
+    )
+    assert result["status"]["diffusers_version"] == "0.40.0.dev0"
+    for fix in result["status"]["fixes"]:
+        assert fix["expected"] is False and fix["detected"] == "broken" and fix["applied"] is True, fix
+    assert result["status"]["ok"] is True
+    mismatches = [m for c, m in result["warnings"] if c == "ReleaseTableMismatchWarning"]
+    assert len(mismatches) == 3 and all("0.40.0.dev0" in m for m in mismatches)
+
+
+def test_fixed_code_labelled_as_an_affected_release_is_left_alone() -> None:
+    result = run(
+        relabelled_copy("0.40.0", "0.39.0"),
+        script("import diffusers_cudnn_fix, diffusers.models.attention_dispatch\ndone()\n"),
+    )
+    for fix in result["status"]["fixes"]:
+        assert fix["expected"] is True and fix["detected"] == "ok" and fix["applied"] is False, fix
+    mismatches = [m for c, m in result["warnings"] if c == "ReleaseTableMismatchWarning"]
+    assert len(mismatches) == 3
+
+
+def test_double_import_and_reload_apply_once_and_log_once() -> None:
+    result = run(
+        release_dir("0.39.0"),
+        script(
+            """
+            import importlib
+            import diffusers_cudnn_fix
+            import diffusers.models.attention_dispatch as m
+            first = m._cudnn_attention_backward_op
+            import diffusers_cudnn_fix as again
+            importlib.reload(diffusers_cudnn_fix)
+            diffusers_cudnn_fix.apply()
+            done(same=m._cudnn_attention_backward_op is first)
+            """
+        ),
+    )
+    assert result["same"] is True
+    applied_lines = [line for line in result["logs"] if "applied" in line]
+    assert len(applied_lines) == 1, result["logs"]
+
+
+def test_reloading_diffusers_module_is_noticed_and_reapplied() -> None:
+    result = run(
+        release_dir("0.39.0"),
+        script(
+            """
+            import importlib
+            import diffusers_cudnn_fix
+            import diffusers.models.attention_dispatch as m
+            importlib.reload(m)
+            after_reload = diffusers_cudnn_fix.status().to_dict()
+            diffusers_cudnn_fix.apply()
+            done(after_reload=after_reload)
+            """
+        ),
+    )
+    assert result["after_reload"]["ok"] is False
+    assert all(not f["applied"] for f in result["after_reload"]["fixes"])
+    assert result["status"]["ok"] is True
+    assert all(f["applied"] for f in result["status"]["fixes"])
+
+
+def test_info_line_says_the_package_can_go_on_a_fixed_release() -> None:
+    result = run(release_dir("0.42.1"), script("import diffusers_cudnn_fix, diffusers.models.attention_dispatch\ndone()\n"))
+    removable = [line for line in result["logs"] if "can be removed" in line]
+    assert len(removable) == 1 and "0.42.1" in removable[0]
+    assert result["warnings"] == []
