@@ -8,7 +8,8 @@ never initialises CUDA.
 Public API: :func:`apply`, :func:`revert`, :func:`status`, :func:`is_patched`, :func:`get_original`, the
 warning categories, and ``python -m diffusers_cudnn_fix`` (prints :func:`status`).
 Switches: ``DIFFUSERS_CUDNN_FIX=0`` turns the package off; ``DIFFUSERS_CUDNN_FIX_SKIP=id,...`` leaves
-named fixes alone.
+named fixes alone; ``DIFFUSERS_CUDNN_FIX_MASK=warn|convert|error`` (or :func:`set_mask_mode`) says what
+happens to bool masks.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ._warnings import (
     FixNotAppliedWarning,
     ReleaseTableMismatchWarning,
     StaleReferenceWarning,
+    UnsafeAttentionError,
 )
 
 if TYPE_CHECKING:
@@ -32,11 +34,13 @@ __all__ = [
     "FixNotAppliedWarning",
     "ReleaseTableMismatchWarning",
     "StaleReferenceWarning",
+    "UnsafeAttentionError",
     "__version__",
     "apply",
     "get_original",
     "is_patched",
     "revert",
+    "set_mask_mode",
     "status",
 ]
 
@@ -82,6 +86,20 @@ def get_original(attr: str) -> Any:
     from . import _registry
 
     return _registry.original(attr)
+
+
+def set_mask_mode(mode: str) -> None:
+    """What to do when a bool or wrongly typed mask reaches the cuDNN context-parallel op (#14342).
+
+    ``"warn"`` (default: pass it through, warn once), ``"convert"`` (to an additive mask in q's dtype) or
+    ``"error"`` (raise :class:`UnsafeAttentionError`). Wins over ``DIFFUSERS_CUDNN_FIX_MASK``.
+    """
+    import sys
+
+    _config.set_mask_mode(mode)
+    live = sys.modules.get("diffusers_cudnn_fix.fixes.cudnn_bool_mask")
+    if live is not None:
+        live._mode = mode
 
 
 _hook.arm()

@@ -203,24 +203,48 @@ def run_pair(
     backward: Callable[..., Any] | None,
     *,
     return_lse: bool,
+    mask: str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Trace:
     """Run ``forward`` (and ``backward`` on its output) on tiny CPU tensors and record the ATen calls.
 
+    ``mask``: None, or ``"bool"`` / ``"float32"`` for :func:`check_mask`'s mask. ``dtype``: of q, k, v.
     Never raises: an exception becomes ``trace.error`` (the calls recorded before it are kept).
     """
-    key = (forward, backward, return_lse)
+    key = (forward, backward, return_lse, mask, dtype)
     if _memo is not None and key in _memo:
         return _memo[key]
-    trace = _run_pair(forward, backward, return_lse=return_lse)
+    trace = _run_pair(forward, backward, return_lse=return_lse, mask=mask, dtype=dtype)
     if _memo is not None:
         _memo[key] = trace
     return trace
 
 
-def _run_pair(forward: Callable[..., Any], backward: Callable[..., Any] | None, *, return_lse: bool) -> Trace:
+def check_mask(kind: str) -> torch.Tensor:
+    """A (B, 1, S_q, S_kv) mask with masked columns and one fully masked row (the last).
+
+    ``"bool"``: True = attend. ``"float32"``: the same as an additive fp32 mask (0 / -inf).
+    """
+    keep = torch.ones(BATCH, 1, SEQ_Q, SEQ_KV, dtype=torch.bool)
+    keep[..., 1::2] = False
+    keep[..., -1, :] = False
+    if kind == "bool":
+        return keep
+    return torch.zeros(keep.shape, dtype=torch.float32).masked_fill_(~keep, float("-inf"))
+
+
+def _run_pair(
+    forward: Callable[..., Any],
+    backward: Callable[..., Any] | None,
+    *,
+    return_lse: bool,
+    mask: str | None,
+    dtype: torch.dtype,
+) -> Trace:
     trace = Trace()
     try:
-        q, k, v = _model_qkv()
+        q, k, v = _model_qkv(dtype)
+        attn_mask = check_mask(mask) if mask is not None else None
         ctx = ProbeCtx()
         with torch.no_grad(), _Recorder(trace):
             # no_grad: diffusers calls these ops inside autograd.Function.forward, where grad mode is off.
@@ -229,7 +253,7 @@ def _run_pair(forward: Callable[..., Any], backward: Callable[..., Any] | None, 
                 q,
                 k,
                 v,
-                None,
+                attn_mask,
                 0.0,
                 False,
                 None,
@@ -248,11 +272,11 @@ def _run_pair(forward: Callable[..., Any], backward: Callable[..., Any] | None, 
     return trace
 
 
-def _model_qkv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _model_qkv(dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Model-layout (B, S, H, D) inputs as they reach the op inside CP attention (fresh, no grad)."""
-    q = torch.empty(BATCH, SEQ_Q, HEADS, HEAD_DIM, dtype=torch.bfloat16)
-    k = torch.empty(BATCH, SEQ_KV, HEADS, HEAD_DIM, dtype=torch.bfloat16)
-    v = torch.empty(BATCH, SEQ_KV, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    q = torch.empty(BATCH, SEQ_Q, HEADS, HEAD_DIM, dtype=dtype)
+    k = torch.empty(BATCH, SEQ_KV, HEADS, HEAD_DIM, dtype=dtype)
+    v = torch.empty(BATCH, SEQ_KV, HEADS, HEAD_DIM, dtype=dtype)
     return q, k, v
 
 
@@ -398,3 +422,29 @@ def cudnn_lse_ndim() -> int:
         except Exception:  # noqa: BLE001 - a torch without the meta kernel predates the 4-D form
             _lse_ndim = 3
     return _lse_ndim
+
+
+def with_globals(fn: Callable[..., Any], **overrides: Any) -> Callable[..., Any]:
+    """A copy of ``fn`` that sees ``overrides`` in place of some module globals; ``fn`` itself is untouched.
+
+    Lets the checks of the templated context-parallel classes run their backward in one process with
+    stand-in collectives, without touching ``torch.distributed`` or diffusers' module.
+    """
+    namespace = dict(fn.__globals__)
+    namespace.update(overrides)
+    copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
+class FakeMesh:
+    """Stands in for a DeviceMesh: the stand-in collectives ignore the group."""
+
+    def get_group(self) -> None:
+        return None
+
+
+def input_count(forward: Callable[..., Any]) -> int | None:
+    """How many inputs an ``autograd.Function.forward`` takes (its parameters after ``ctx``)."""
+    found = _positional_params(forward)
+    return None if found is None or found[1] else len(found[0]) - 1

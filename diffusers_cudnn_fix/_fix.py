@@ -78,9 +78,13 @@ class Fix(Record):
         check: runs the installed code (through the lookup) and says whether the bug is there.
         build: returns the replacement objects for ``targets``, given the current ones through the lookup.
             Reverting puts the objects that were there before back, so no fix needs its own undo.
+        kind: ``"correction"`` (makes wrong gradients right) or ``"guard"`` (stops, warns or converts where
+            diffusers would compute wrong results and no correction is offered).
+        note: optional; returns a few words on the fix's live settings for the report (a mode, say).
     """
 
-    __slots__ = ("id", "title", "upstream", "affected", "targets", "check", "build")
+    __slots__ = ("id", "title", "upstream", "affected", "targets", "check", "build", "kind", "note")
+    _defaults = {"kind": "correction", "note": None}
     id: str
     title: str
     upstream: str
@@ -88,3 +92,5 @@ class Fix(Record):
     targets: tuple[str, ...]
     check: Callable[[Lookup], Finding]
     build: Callable[[Lookup], Mapping[str, Any]]
+    kind: Literal["correction", "guard"]
+    note: Callable[[], str] | None

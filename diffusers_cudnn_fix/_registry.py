@@ -34,20 +34,24 @@ _SCAN_SKIP = frozenset({"torch", "diffusers_cudnn_fix"}) | frozenset(getattr(sys
 class _Record(Record):
     """What ``apply`` found and did for one fix."""
 
-    __slots__ = ("finding", "reason", "skipped")
-    _defaults = {"skipped": False}
+    __slots__ = ("finding", "reason", "skipped", "installed", "seen")
+    _defaults = {"skipped": False, "installed": False, "seen": ()}
     finding: Finding  # what the check found on the code as it was before we touched it
     reason: str
     skipped: bool
+    installed: bool  # whether apply() put the fix in (it may have been taken out since)
+    seen: tuple[Any, ...]  # the objects at the fix's targets when it was checked and left alone
 
 
 class _State:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.module: ModuleType | None = None
-        self.originals: dict[str, Any] = {}  # attribute -> the object that was there before us
-        self.installed: dict[str, Any] = {}  # attribute -> our object
-        self.owner: dict[str, str] = {}  # attribute -> fix id that installed it
+        # Targets are attribute paths in diffusers' module: "_cudnn_attention_forward_op" or
+        # "TemplatedRingAttention.backward". Objects are stored raw (a class's staticmethod, not its function).
+        self.originals: dict[str, Any] = {}  # target -> the object that was there before us
+        self.installed: dict[str, Any] = {}  # target -> our outermost object
+        self.owners: dict[str, list[str]] = {}  # target -> fix ids that built it, innermost first
         self.records: dict[str, _Record] = {}
         self.rebound: list[tuple[str, str, Any, Any]] = []  # (module name, global name, original, ours)
         self.stale: list[str] = []
@@ -76,36 +80,84 @@ def _expected(fix: Fix, version: str | None) -> bool | None:
     return _release_table.lists(fix.affected, version)
 
 
-def _ours(module: ModuleType, attr: str) -> bool:
-    return attr in _state.installed and getattr(module, attr, None) is _state.installed[attr]
+def _holder(module: ModuleType, target: str) -> tuple[Any, str]:
+    *path, name = target.split(".")
+    holder: Any = module
+    for part in path:
+        holder = getattr(holder, part, None)
+    return holder, name
+
+
+def raw_get(module: ModuleType, target: str) -> Any:
+    """The object stored at ``target`` (a class's own ``__dict__`` entry for ``Class.attr``), or None."""
+    holder, name = _holder(module, target)
+    if holder is None:
+        return None
+    if isinstance(holder, type):
+        return holder.__dict__.get(name)
+    return getattr(holder, name, None)
+
+
+def _raw_set(module: ModuleType, target: str, value: Any) -> None:
+    holder, name = _holder(module, target)
+    setattr(holder, name, value)
+
+
+def callable_of(obj: Any) -> Any:
+    """What calling code gets for a stored object: a staticmethod's function."""
+    return obj.__func__ if isinstance(obj, staticmethod) else obj
+
+
+def _ours(module: ModuleType, target: str) -> bool:
+    return target in _state.installed and raw_get(module, target) is _state.installed[target]
+
+
+def _applied(module: ModuleType, fix: Fix) -> bool:
+    return all(fix.id in _state.owners.get(t, ()) and _ours(module, t) for t in fix.targets)
+
+
+def _take_out(module: ModuleType, fix_ids: set[str]) -> None:
+    """Remove these fixes, and every fix sharing a target with them, putting the originals back.
+
+    Fixes on one target form a chain of wrappers; taking one out takes the chain out, and the next apply
+    re-checks and rebuilds what is still needed.
+    """
+    doomed = set(fix_ids)
+    changed = True
+    while changed:
+        changed = False
+        for target, owners in _state.owners.items():
+            if doomed.intersection(owners) and not doomed.issuperset(owners):
+                doomed.update(owners)
+                changed = True
+    for target in [t for t, owners in _state.owners.items() if doomed.intersection(owners)]:
+        if _ours(module, target):
+            _raw_set(module, target, _state.originals[target])
+        del _state.installed[target], _state.originals[target], _state.owners[target]
+    for fix_id in doomed:
+        _state.records.pop(fix_id, None)
 
 
 def _forget_stale(module: ModuleType) -> None:
     """Drop what no longer describes the live module, so the next check sees the code as it is now.
 
     Another module object (``sys.modules`` entry replaced): start over. The same object with one of our
-    replacements gone (``importlib.reload``, another patcher): forget that fix, first putting back the
-    originals of any of its other targets that still hold our objects, so it is re-checked whole.
+    objects gone (``importlib.reload``, another patcher): take the fixes on that target out, so they are
+    re-checked whole.
     """
     if _state.module is not module:
         _state.module = module
         _state.originals.clear()
         _state.installed.clear()
-        _state.owner.clear()
+        _state.owners.clear()
         _state.records.clear()
         _state.rebound.clear()
         _state.stale.clear()
         return
-    for fix in _fixes():
-        targets = [t for t in fix.targets if _state.owner.get(t) == fix.id]
-        if not targets or all(_ours(module, t) for t in targets):
-            continue
-        logger.info("%s: '%s' no longer in place (reloaded or re-patched); re-checking it", MODULE_NAME, fix.id)
-        for attr in targets:
-            if _ours(module, attr):
-                setattr(module, attr, _state.originals[attr])
-            del _state.installed[attr], _state.originals[attr], _state.owner[attr]
-        _state.records.pop(fix.id, None)
+    gone = {fix_id for t, owners in _state.owners.items() if not _ours(module, t) for fix_id in owners}
+    if gone:
+        logger.info("%s: %s no longer in place (reloaded or re-patched); re-checking", MODULE_NAME, sorted(gone))
+        _take_out(module, gone)
 
 
 def apply_to(module: ModuleType, *, scan_references: bool = True) -> None:
@@ -123,31 +175,28 @@ def apply_to(module: ModuleType, *, scan_references: bool = True) -> None:
         try:
             with _detect.shared_runs():
                 for fix in _fixes():
-                    if all(_ours(module, t) for t in fix.targets):
-                        continue  # installed by an earlier apply(); its record stands
+                    if _applied(module, fix) or _checked_unchanged(module, fix):
+                        continue  # an earlier apply() installed it, or checked these very objects
                     if _apply_one(module, fix, skip=fix.id in skipped):
                         newly.append(fix.id)
         except BaseException:
-            _uninstall(module, newly)  # nothing half-applied: take out what this call put in
+            _take_out(module, set(newly))  # nothing half-applied: take out what this call put in
             raise
         if newly and scan_references:
             _rebind_references(module)
         _announce(newly)
 
 
-def _uninstall(module: ModuleType, fix_ids: list[str]) -> None:
-    for attr, owner in list(_state.owner.items()):
-        if owner in fix_ids:
-            if _ours(module, attr):
-                setattr(module, attr, _state.originals[attr])
-            del _state.installed[attr], _state.originals[attr], _state.owner[attr]
-    for fix_id in fix_ids:
-        _state.records.pop(fix_id, None)
+def _checked_unchanged(module: ModuleType, fix: Fix) -> bool:
+    record = _state.records.get(fix.id)
+    if record is None or record.installed or record.skipped or not record.seen:
+        return False
+    return all(raw_get(module, t) is obj for t, obj in zip(fix.targets, record.seen))
 
 
 def _apply_one(module: ModuleType, fix: Fix, *, skip: bool) -> bool:
     def lookup(name: str) -> Any:
-        return getattr(module, name, None)
+        return callable_of(raw_get(module, name))
 
     finding = fix.check(lookup)
     if skip:
@@ -166,7 +215,7 @@ def _apply_one(module: ModuleType, fix: Fix, *, skip: bool) -> bool:
             "absent": f"not applicable: {finding.detail}",
             "unknown": f"left alone, behaviour unknown: {finding.detail}",
         }[finding.state]
-        _state.records[fix.id] = _Record(finding, reason)
+        _state.records[fix.id] = _Record(finding, reason, seen=tuple(raw_get(module, t) for t in fix.targets))
         if finding.state == "unknown":
             report(
                 f"diffusers_cudnn_fix: '{fix.id}' ({fix.title}) {reason}. Training with this backend under "
@@ -176,8 +225,7 @@ def _apply_one(module: ModuleType, fix: Fix, *, skip: bool) -> bool:
         return False
     try:
         replacements = dict(fix.build(lookup))
-        candidates = {**{t: lookup(t) for t in fix.targets}, **replacements}
-        verified = fix.check(lambda name: candidates.get(name, lookup(name)))
+        verified = fix.check(lambda name: callable_of(replacements[name]) if name in replacements else lookup(name))
     except Exception as exc:  # noqa: BLE001 - a failing build leaves diffusers as shipped
         verified = Finding("unknown", f"building the replacement failed: {type(exc).__name__}: {exc}")
     if verified.state != "ok":
@@ -185,12 +233,13 @@ def _apply_one(module: ModuleType, fix: Fix, *, skip: bool) -> bool:
         _state.records[fix.id] = _Record(finding, reason)
         report(f"diffusers_cudnn_fix: '{fix.id}' NOT applied: {reason}.", FixNotAppliedWarning)
         return False
-    for attr, new in replacements.items():
-        _state.originals.setdefault(attr, getattr(module, attr, None))
-        setattr(module, attr, new)
-        _state.installed[attr] = new
-        _state.owner[attr] = fix.id
-    _state.records[fix.id] = _Record(finding, f"fixed: {finding.detail}")
+    for target, new in replacements.items():
+        _state.originals.setdefault(target, raw_get(module, target))
+        _raw_set(module, target, new)
+        _state.installed[target] = new
+        _state.owners.setdefault(target, []).append(fix.id)
+    verb = "fixed" if fix.kind == "correction" else "guarded"
+    _state.records[fix.id] = _Record(finding, f"{verb}: {finding.detail}", installed=True)
     return True
 
 
@@ -210,7 +259,8 @@ def _module_namespaces(skip: ModuleType) -> Iterator[tuple[str, dict[str, Any]]]
 
 def _rebind_references(module: ModuleType) -> None:
     """Rebind module globals that still hold a shipped op (``from ... import _cudnn_..._op`` copies)."""
-    by_id = {id(orig): attr for attr, orig in _state.originals.items() if orig is not None}
+    # Module-level functions only: a class attribute's staticmethod object is never imported elsewhere.
+    by_id = {id(orig): t for t, orig in _state.originals.items() if orig is not None and "." not in t}
     if not by_id:
         return
     for mod_name, namespace in _module_namespaces(module):
@@ -255,12 +305,18 @@ def _announce(newly: list[str]) -> None:
         report(f"diffusers_cudnn_fix: the release table says diffusers {version} {message}.", ReleaseTableMismatchWarning)
     if newly:
         logger.info("diffusers_cudnn_fix: diffusers %s: applied %s", version, ", ".join(newly))
-    elif not _state.announced and not any(r.finding.state in ("broken", "unknown") for r in _state.records.values()):
-        logger.info(
-            "diffusers_cudnn_fix: diffusers %s needs none of the fixes (%s); the package can be removed for them.",
-            version,
-            ", ".join(f.id for f in _fixes()),
-        )
+    if not _state.announced:
+        corrections = [f for f in _fixes() if f.kind == "correction"]
+        states = {f.id: _state.records[f.id].finding.state for f in corrections if f.id in _state.records}
+        if len(states) == len(corrections) and set(states.values()) <= {"ok", "absent"}:
+            guards = [f.id for f in _fixes() if f.kind == "guard" and _applied(_state.module, f)]
+            logger.info(
+                "diffusers_cudnn_fix: diffusers %s needs none of the gradient corrections (%s); the package can be "
+                "removed for them.%s",
+                version,
+                ", ".join(states),
+                f" Guards still active: {', '.join(guards)}." if guards else "",
+            )
     _state.announced = True
 
 
@@ -269,18 +325,18 @@ def revert() -> Report:
     with _state.lock:
         module = _state.module
         if module is not None:
-            for attr, original in _state.originals.items():
-                if _ours(module, attr):
-                    setattr(module, attr, original)
+            for target, original in _state.originals.items():
+                if _ours(module, target):
+                    _raw_set(module, target, original)
                 else:
-                    logger.warning("%s.%s was changed by someone else since we patched it; left as is", MODULE_NAME, attr)
+                    logger.warning("%s.%s was changed by someone else since we patched it; left as is", MODULE_NAME, target)
             for mod_name, global_name, original, ours in _state.rebound:
                 namespace = getattr(sys.modules.get(mod_name), "__dict__", None)
                 if isinstance(namespace, dict) and namespace.get(global_name) is ours:
                     namespace[global_name] = original
             _state.originals.clear()
             _state.installed.clear()
-            _state.owner.clear()
+            _state.owners.clear()
             _state.rebound.clear()
             _state.stale.clear()
             for fix_id, record in list(_state.records.items()):
@@ -288,22 +344,25 @@ def revert() -> Report:
         return status()
 
 
-def original(attr: str) -> Any:
-    """The object that was in ``diffusers.models.attention_dispatch.<attr>`` before we patched it.
+def original(target: str) -> Any:
+    """The object at ``diffusers.models.attention_dispatch.<target>`` before we patched it.
 
-    Returns the live attribute when we did not patch it (so callers always get the shipped code).
+    ``target`` is an attribute or ``Class.attribute`` path; a class attribute comes back as stored (a
+    staticmethod stays one). Returns the live object when we did not patch it, so callers always get the
+    shipped code.
     """
-    with _state.lock:
-        if attr in _state.originals:
-            return _state.originals[attr]
-        return getattr(sys.modules.get(MODULE_NAME), attr, None)
-
-
-def is_patched(attr: str) -> bool:
-    """Whether our replacement sits in ``diffusers.models.attention_dispatch.<attr>`` right now."""
     module = sys.modules.get(MODULE_NAME)
     with _state.lock:
-        return module is not None and _ours(module, attr)
+        if target in _state.originals:
+            return _state.originals[target]
+        return raw_get(module, target) if module is not None else None
+
+
+def is_patched(target: str) -> bool:
+    """Whether our object sits at ``diffusers.models.attention_dispatch.<target>`` right now."""
+    module = sys.modules.get(MODULE_NAME)
+    with _state.lock:
+        return module is not None and _ours(module, target)
 
 
 def status() -> Report:
@@ -318,15 +377,17 @@ def status() -> Report:
         fixes = []
         for fix in _fixes():
             record = _state.records.get(fix.id) if module is not None and module is _state.module else None
-            applied = module is not None and all(_ours(module, t) for t in fix.targets)
+            applied = module is not None and _applied(module, fix)
             if not enabled and not applied:
                 detected, reason = "disabled", f"package switched off by {_config.ENABLE_VAR}"
             elif record is None:
                 detected, reason = "pending", f"{MODULE_NAME} not imported (or not checked) yet"
             else:
                 detected, reason = record.finding.state, record.reason
-            if record is not None and applied is False and record.reason.startswith("fixed"):
+            if record is not None and record.installed and not applied:
                 reason = "was fixed, but the module no longer holds our replacement (reloaded?): call apply()"
+            if applied and fix.note is not None:
+                reason = f"{reason} [{fix.note()}]"
             fixes.append(
                 FixStatus(
                     id=fix.id,

@@ -43,3 +43,10 @@ def report(message: str, category: type[DiffusersCudnnFixWarning], *, stacklevel
     except Warning:
         # "error" filters turn the warning into an exception; it is already logged above.
         pass
+
+
+class UnsafeAttentionError(RuntimeError):
+    """Raised on the attention path instead of letting diffusers compute wrong outputs or gradients.
+
+    Its message names the cause and the way out (a switch, a backend, or a diffusers release).
+    """

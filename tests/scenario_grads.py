@@ -54,7 +54,27 @@ def passes(errors: dict[str, float], bf16_errors: dict[str, float], magnitudes: 
     return True
 
 
-def run_case(module: types.ModuleType, backend: str, case: tuple, return_lse: bool) -> dict[str, Any]:
+def test_mask(batch: int, seq_q: int, seq_kv: int) -> Any:
+    """(B, 1, S_q, S_kv) bool, True = attend: some masked columns, and the last query row fully masked."""
+    import torch
+
+    keep = torch.ones(batch, 1, seq_q, seq_kv, dtype=torch.bool)
+    keep[..., seq_kv // 2 :: 3] = False
+    keep[..., -1, :] = False
+    return keep
+
+
+def run_case(
+    module: types.ModuleType,
+    backend: str,
+    case: tuple,
+    return_lse: bool,
+    *,
+    mask: str | None = None,
+    dtype: str = "bfloat16",
+) -> dict[str, Any]:
+    """``mask``: None, ``"bool"``, or ``"float32"`` (the same mask as an additive fp32 mask).
+    ``dtype``: of q/k/v (``"float32"`` to see what fp32 inputs do)."""
     import torch
 
     from standin_kernels import max_abs_error, reference_attention
@@ -65,9 +85,15 @@ def run_case(module: types.ModuleType, backend: str, case: tuple, return_lse: bo
     _, batch, seq_q, seq_kv, heads, dim = case
     gen = torch.Generator().manual_seed(0)
     q, k, v = (
-        torch.randn(batch, s, heads, dim, generator=gen).to(torch.bfloat16) for s in (seq_q, seq_kv, seq_kv)
+        torch.randn(batch, s, heads, dim, generator=gen).to(getattr(torch, dtype)) for s in (seq_q, seq_kv, seq_kv)
     )
-    grad_out = torch.randn(batch, seq_q, heads, dim, generator=gen).to(torch.bfloat16)
+    grad_out = torch.randn(batch, seq_q, heads, dim, generator=gen).to(q.dtype)
+    keep = test_mask(batch, seq_q, seq_kv) if mask else None
+    attn_mask = None
+    if mask == "bool":
+        attn_mask = keep
+    elif mask == "float32":
+        attn_mask = torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))
     parallel_config = types.SimpleNamespace(
         context_parallel_config=types.SimpleNamespace(_world_size=2, ring_degree=1, ulysses_degree=2)
     )
@@ -80,7 +106,7 @@ def run_case(module: types.ModuleType, backend: str, case: tuple, return_lse: bo
             # Fresh tensors, as after the all-to-all: requires_grad is False on what reaches the op.
             query, key, value = (x.clone() for x in (query, key, value))
             out = getattr(module, fwd_name)(
-                ctx, query, key, value, None, 0.0, False, None, False, return_lse,
+                ctx, query, key, value, attn_mask, 0.0, False, None, False, return_lse,
                 _save_ctx=True, _parallel_config=parallel_config,
             )
             return out[0] if return_lse else out
@@ -101,10 +127,13 @@ def run_case(module: types.ModuleType, backend: str, case: tuple, return_lse: bo
     def reference(dtype: torch.dtype) -> dict[str, torch.Tensor]:
         ref_leaves = [x.to(dtype).transpose(1, 2).detach().requires_grad_(True) for x in (q, k, v)]
         if dtype == torch.float32:
-            ref_out = reference_attention(*ref_leaves)
+            ref_out = reference_attention(*ref_leaves, bool_mask=keep)
         else:
-            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-                ref_out = torch.nn.functional.scaled_dot_product_attention(*ref_leaves)
+            # bf16 eager reference; the same dead-row handling as the fp32 one, so only precision differs.
+            ref_out = reference_attention(*ref_leaves, bool_mask=keep).to(dtype) if keep is not None else None
+            if ref_out is None:
+                with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+                    ref_out = torch.nn.functional.scaled_dot_product_attention(*ref_leaves)
         ref_out.backward(grad_out.to(dtype).transpose(1, 2))
         tensors = [ref_out.detach(), *(x.grad for x in ref_leaves)]
         return dict(zip(("out", "dq", "dk", "dv"), (t.transpose(1, 2).float() for t in tensors)))

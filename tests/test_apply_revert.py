@@ -10,13 +10,24 @@ import pytest
 
 import diffusers_cudnn_fix
 from diffusers_cudnn_fix import _registry
+from diffusers_cudnn_fix.fixes import ALL_FIXES
 
-TARGETS = ("_cudnn_attention_forward_op", "_cudnn_attention_backward_op", "_native_flash_attention_backward_op")
+# What 0.39.0 needs: everything but the 0.36.0-only Ulysses fix.
+TARGETS = (
+    "_cudnn_attention_forward_op",
+    "_cudnn_attention_backward_op",
+    "_native_flash_attention_backward_op",
+    "TemplatedRingAttention.backward",
+)
+
+
+def _live(module: types.ModuleType) -> dict[str, object]:
+    return {name: _registry.raw_get(module, name) for name in TARGETS}
 
 
 def _shipped(module: types.ModuleType) -> dict[str, object]:
     diffusers_cudnn_fix.revert()
-    return {name: getattr(module, name) for name in TARGETS}
+    return _live(module)
 
 
 def test_apply_replaces_and_revert_restores_the_exact_objects(dispatch_module: types.ModuleType) -> None:
@@ -24,19 +35,19 @@ def test_apply_replaces_and_revert_restores_the_exact_objects(dispatch_module: t
     report = diffusers_cudnn_fix.apply()
     assert report.ok
     for name in TARGETS:
-        assert getattr(dispatch_module, name) is not shipped[name]
+        assert _registry.raw_get(dispatch_module, name) is not shipped[name]
         assert diffusers_cudnn_fix.is_patched(name)
         assert diffusers_cudnn_fix.get_original(name) is shipped[name]
-    installed = {name: getattr(dispatch_module, name) for name in TARGETS}
+    installed = _live(dispatch_module)
     diffusers_cudnn_fix.apply()  # idempotent: nothing is replaced twice
-    assert {name: getattr(dispatch_module, name) for name in TARGETS} == installed
+    assert _live(dispatch_module) == installed
     report = diffusers_cudnn_fix.revert()
     for name in TARGETS:
-        assert getattr(dispatch_module, name) is shipped[name]
+        assert _registry.raw_get(dispatch_module, name) is shipped[name]
         assert not diffusers_cudnn_fix.is_patched(name)
     assert not report.ok  # the bugs are back, and the report says so
     diffusers_cudnn_fix.revert()  # idempotent
-    assert {name: getattr(dispatch_module, name) for name in TARGETS} == shipped
+    assert _live(dispatch_module) == shipped
     diffusers_cudnn_fix.apply()  # and apply again after revert
     assert all(diffusers_cudnn_fix.is_patched(name) for name in TARGETS)
 
@@ -46,12 +57,17 @@ def test_status_reports_each_fix(patched: types.ModuleType) -> None:
     assert report.enabled and report.module_loaded and report.ok
     assert report.diffusers_version == "0.39.0"
     by_id = {f.id: f for f in report.fixes}
-    assert set(by_id) == {"cudnn_forward_lse", "cudnn_backward_kv", "flash_backward_kv"}
-    for fix in by_id.values():
+    assert set(by_id) == {f.id for f in ALL_FIXES}
+    for fix_id, fix in by_id.items():
+        if fix_id == "ulysses_grad_count":  # a 0.36.0-only bug
+            assert fix.expected is False and fix.detected == "ok" and not fix.applied, fix
+            continue
         assert fix.expected is True and fix.detected == "broken" and fix.applied, fix
-        assert fix.reason.startswith("fixed:")
+        kind = next(f.kind for f in ALL_FIXES if f.id == fix_id)
+        assert fix.reason.startswith("fixed:" if kind == "correction" else "guarded:"), fix
+    assert "mode: warn" in by_id["cudnn_bool_mask"].reason
     data = report.to_dict()
-    assert data["ok"] is True and len(data["fixes"]) == 3
+    assert data["ok"] is True and len(data["fixes"]) == len(ALL_FIXES)
     text = str(report)
     assert "verdict: OK" in text and "cudnn_backward_kv" in text
 
@@ -85,7 +101,7 @@ def test_threads_applying_at_once_install_each_fix_once(dispatch_module: types.M
     patched_now = {diffusers_cudnn_fix.is_patched(name) for name in TARGETS}
     assert len(patched_now) == 1
     diffusers_cudnn_fix.revert()
-    assert {name: getattr(dispatch_module, name) for name in TARGETS} == shipped
+    assert _live(dispatch_module) == shipped
 
 
 def test_modules_holding_a_shipped_op_are_rebound_and_restored(dispatch_module: types.ModuleType) -> None:

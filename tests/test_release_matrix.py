@@ -41,10 +41,14 @@ def test_gradients_match_reference_with_the_package(version: str, order: str) ->
     assert status["ok"], status
     applied = {f["id"] for f in status["fixes"] if f["applied"]}
     expected = set()
+    if version != "0.35.2":  # every release with the cuDNN CP op misreads masks and fp32 inputs
+        expected |= {"cudnn_bool_mask", "cudnn_fp32_inputs"}
     if version in BROKEN_CUDNN:
-        expected |= {"cudnn_forward_lse", "cudnn_backward_kv"}
+        expected |= {"cudnn_forward_lse", "cudnn_backward_kv", "ring_backward"}
     if version in BROKEN_FLASH:
         expected |= {"flash_backward_kv"}
+    if version == "0.36.0":
+        expected |= {"ulysses_grad_count"}
     assert applied == expected
 
 
@@ -68,7 +72,7 @@ def test_without_the_package_broken_releases_fail(version: str) -> None:
 
 
 ULYSSES = "import scenario_ulysses; scenario_ulysses.main({order!r})"
-# 0.36.0's Ulysses backward raises for every backend (11 gradients for 12 inputs): see test_guards.py.
+# 0.36.0's Ulysses backward raises for every backend (11 gradients for 12 inputs): test_guards.py has it.
 ULYSSES_RELEASES = tuple(v for v in RELEASES if v not in ("0.35.2", "0.36.0"))
 
 

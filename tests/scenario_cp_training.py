@@ -1,0 +1,389 @@
+"""Two-rank context-parallel training of a tiny real Flux transformer on CPU, through diffusers' own CP code.
+
+Run in a fresh interpreter whose ``PYTHONPATH`` starts with one diffusers release (``releases.run`` does it)::
+
+    python -c "import scenario_cp_training as s; s.launch(package=True)"
+
+``launch`` starts two rank processes with the ``spawn`` start method (the one ``torch.multiprocessing.spawn``
+uses; the stdlib context is used directly so the launcher itself need not import torch) and waits for them
+under a deadline. Each rank:
+
+1. imports ``diffusers_cudnn_fix`` first when ``package`` is true (never otherwise), then diffusers;
+2. rank 0 only, *before* the CPU stand-in kernels exist: computes the single-process references with no
+   parallel config and diffusers' ``_native_math`` backend (``F.scaled_dot_product_attention`` restricted to
+   the math kernel), in fp32 (the golden reference) and in bf16 (the noise floor). Nothing on that path can
+   reach the cuDNN / flash ATen ops: they have no CPU kernel yet, so touching them would raise;
+3. registers the stand-in kernels (``standin_kernels.register()``) and joins a 2-rank gloo group
+   (``file://`` rendezvous in a temporary folder: no network at all);
+4. for each mode (``ulysses``: ``ContextParallelConfig(ulysses_degree=2)``, ``ring``:
+   ``ContextParallelConfig(ring_degree=2)``): copies the pristine bf16 model, sets the ``_native_cudnn``
+   backend with ``model.set_attention_backend``, calls ``model.enable_parallelism(config=...)`` (diffusers
+   builds the mesh, shards the inputs with its ``_cp_plan`` hooks and gathers ``proj_out``), runs a training
+   step (forward on the full inputs, MSE loss on the gathered output, backward), sums the parameter
+   gradients over the ranks (diffusers has no gradient sync of its own: each rank's gradients are partial
+   sums over its sequence shard), takes an SGD step with them and runs a second forward/backward;
+5. writes one JSON file; the launcher prints both ranks' files as one JSON line.
+
+Seam on 0.42.x: ``ModelMixin._resolve_parallel_config`` computes ``rank % torch.accelerator.device_count()``,
+which is 0 on a CPU-only torch (ZeroDivisionError). Only when that exact error comes out of
+``enable_parallelism`` is it called again, on a fresh copy, with ``torch.accelerator.device_count`` returning
+1 for the duration of that one call. Everything else (mesh, config setup, hooks, templated ring / Ulysses
+attention, the attention ops) is diffusers' own code; the result records whether the seam was used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from typing import Any
+
+WORLD_SIZE = 2
+MODES = ("ulysses", "ring")
+BACKEND = "_native_cudnn"
+REFERENCE_BACKEND = "_native_math"
+
+#: Tiny Flux: inner dim 4 heads x 8 = 32, one double-stream and one single-stream block.
+FLUX_CONFIG = dict(
+    patch_size=1,
+    in_channels=4,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=8,
+    num_attention_heads=4,
+    joint_attention_dim=8,
+    pooled_projection_dim=8,
+    guidance_embeds=False,
+    axes_dims_rope=(2, 2, 4),
+)
+#: 4 image + 4 text tokens: each rank holds 2 + 2 = 4 = num_attention_heads tokens under ring CP, the case
+#: in which K/V handed over as (B, S, H, D) instead of (B, H, S, D) still fit every shape check and give
+#: garbage silently (as on a GPU). Under Ulysses each rank holds 4 / 2 = 2 heads of the full 8 tokens.
+BATCH, IMG_TOKENS, TXT_TOKENS = 2, 4, 4
+
+RANK_DEADLINE_S = 240.0
+PG_TIMEOUT_S = 90.0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Launcher (the process the test starts)
+# ------------------------------------------------------------------------------------------------------------
+def launch(package: bool, modes: tuple[str, ...] = MODES, steps: int = 2, deadline_s: float = RANK_DEADLINE_S) -> None:
+    """Start the two ranks, wait for them (at most ``deadline_s``), print one JSON line with their results."""
+    import multiprocessing as mp
+
+    started = time.monotonic()
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="cp_training_") as tmp:
+        spec = {"package": package, "modes": list(modes), "steps": steps, "tmp": tmp}
+        procs = [ctx.Process(target=rank_main, args=(rank, spec), daemon=True) for rank in range(WORLD_SIZE)]
+        for proc in procs:
+            proc.start()
+        end = started + deadline_s
+        for proc in procs:
+            proc.join(max(0.0, end - time.monotonic()))
+        timed_out = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+        for rank in timed_out:
+            procs[rank].terminate()  # our own child, by its Process object
+            procs[rank].join(5)
+        ranks = []
+        for rank, proc in enumerate(procs):
+            path = os.path.join(tmp, f"rank{rank}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    ranks.append(json.load(f))
+            else:
+                ranks.append({"rank": rank, "fatal": "no result file", "exitcode": proc.exitcode})
+    print(
+        json.dumps(
+            {
+                "package": package,
+                "ranks": ranks,
+                "exitcodes": [proc.exitcode for proc in procs],
+                "timed_out": timed_out,
+                "wall_s": round(time.monotonic() - started, 2),
+            }
+        )
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------
+# One rank
+# ------------------------------------------------------------------------------------------------------------
+class _Warnings:
+    """Every warning of the process, kept with the 'always' filter so that a repeat is counted as one."""
+
+    def __init__(self) -> None:
+        self._cm = warnings.catch_warnings(record=True)
+        self.log = self._cm.__enter__()
+        warnings.simplefilter("always")
+
+    def ours(self) -> list[str]:
+        pkg = sys.modules.get("diffusers_cudnn_fix")
+        if pkg is None:
+            return []
+        return [
+            f"{w.category.__name__}: {w.message}"
+            for w in self.log
+            if isinstance(w.category, type) and issubclass(w.category, pkg.DiffusersCudnnFixWarning)
+        ]
+
+
+def rank_main(rank: int, spec: dict[str, Any]) -> None:
+    rec = _Warnings()
+    result: dict[str, Any] = {"rank": rank, "package": spec["package"], "modes": {}}
+    out_path = os.path.join(spec["tmp"], f"rank{rank}.json")
+    code = 0
+    try:
+        _run_rank(rank, spec, rec, result)
+    except BaseException as exc:  # noqa: BLE001 - anything becomes a result, the test decides
+        result["fatal"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()[-4000:]
+        code = 1
+    result["our_warnings_total"] = len(rec.ours())
+    tmp_path = out_path + ".partial"
+    with open(tmp_path, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp_path, out_path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip process-group teardown (and its noise); the file is the result
+
+
+def _run_rank(rank: int, spec: dict[str, Any], rec: _Warnings, result: dict[str, Any]) -> None:
+    if spec["package"]:
+        import diffusers_cudnn_fix  # noqa: F401  (before diffusers: arms the post-import hook)
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import diffusers
+    from diffusers import FluxTransformer2DModel
+
+    result["diffusers_version"] = diffusers.__version__
+    result["diffusers_file"] = diffusers.__file__
+    result["torch_version"] = torch.__version__
+    import diffusers.models.attention_dispatch as dispatch
+
+    pkg = sys.modules.get("diffusers_cudnn_fix")
+    if spec["package"]:
+        report = pkg.status()
+        result["status_ok"] = report.ok
+        result["applied"] = sorted(f.id for f in report.fixes if f.applied)
+    else:
+        result["package_imported"] = pkg is not None
+    result["our_warnings_after_import"] = rec.ours()
+
+    torch.manual_seed(0)
+    base = FluxTransformer2DModel(**FLUX_CONFIG)
+    model16 = copy.deepcopy(base).to(torch.bfloat16)  # the weights every run uses (bf16-exact)
+    del base
+    inputs16, target = _inputs()
+
+    if rank == 0:
+        # Before the stand-ins exist: nothing on the reference path can use the ops under test.
+        import standin_kernels
+
+        assert not standin_kernels.is_registered()
+        ref32 = _reference(model16, inputs16, target, torch.float32)
+        ref16 = _reference(model16, inputs16, target, torch.bfloat16)
+        result["reference"] = {
+            "backend": REFERENCE_BACKEND,
+            "loss32": ref32["loss"],
+            "loss16": ref16["loss"],
+            "bf16_floor": _compare(ref16["grads"], ref32["grads"]),
+        }
+
+    import standin_kernels
+
+    standin_kernels.register()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(spec['tmp'], 'rendezvous')}",
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+    )
+    for mode in spec["modes"]:
+        t0 = time.monotonic()
+        entry = _train(mode, model16, inputs16, target, spec["steps"], rec, dispatch)
+        if rank == 0 and entry.get("grads") is not None:
+            entry["loss_rel_err"] = abs(entry["loss"][0] - ref32["loss"]) / abs(ref32["loss"])
+            entry["compare"] = _compare(entry["grads"], ref32["grads"])
+        entry.pop("grads", None)
+        entry["seconds"] = round(time.monotonic() - t0, 2)
+        result["modes"][mode] = entry
+        dist.barrier()
+    if spec["package"]:
+        result["status_ok_end"] = pkg.status().ok
+
+
+def _inputs():
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    bf16 = torch.bfloat16
+    img_ids = torch.tensor([[0.0, i // 2, i % 2] for i in range(IMG_TOKENS)])
+    txt_ids = torch.zeros(TXT_TOKENS, 3)
+    inputs = {
+        "hidden_states": torch.randn(BATCH, IMG_TOKENS, FLUX_CONFIG["in_channels"], generator=gen).to(bf16),
+        "encoder_hidden_states": torch.randn(BATCH, TXT_TOKENS, FLUX_CONFIG["joint_attention_dim"], generator=gen).to(bf16),
+        "pooled_projections": torch.randn(BATCH, FLUX_CONFIG["pooled_projection_dim"], generator=gen).to(bf16),
+        "timestep": torch.tensor([0.5, 0.25]).to(bf16),
+        "img_ids": img_ids,
+        "txt_ids": txt_ids,
+    }
+    target = torch.randn(BATCH, IMG_TOKENS, FLUX_CONFIG["in_channels"], generator=gen)
+    return inputs, target
+
+
+def _loss(model, inputs, target):
+    import torch
+
+    out = model(**inputs, return_dict=False)[0]
+    return torch.nn.functional.mse_loss(out.float(), target)
+
+
+def _reference(model16, inputs16, target, dtype) -> dict[str, Any]:
+    """One process, no parallel config, diffusers' math backend, in ``dtype``."""
+    import torch
+
+    model = copy.deepcopy(model16).to(dtype)
+    model.set_attention_backend(REFERENCE_BACKEND)
+    inputs = {k: (v.to(dtype) if v.is_floating_point() and k not in ("img_ids", "txt_ids") else v) for k, v in inputs16.items()}
+    loss = _loss(model, inputs, target)
+    loss.backward()
+    grads = {name: p.grad.detach().float().clone() for name, p in model.named_parameters() if p.grad is not None}
+    missing = [name for name, p in model.named_parameters() if p.grad is None]
+    assert not missing, f"parameters without a gradient in the reference: {missing}"
+    return {"loss": loss.item(), "grads": grads}
+
+
+def _compare(got: dict, ref: dict) -> dict[str, Any]:
+    """Per parameter max|g - g_ref| / max|g_ref|, and the worst of them."""
+    import torch
+
+    per_param = {}
+    for name, g_ref in ref.items():
+        g = got.get(name)
+        denom = g_ref.abs().max().item()
+        if g is None:
+            per_param[name] = float("inf")
+            continue
+        diff = (g - g_ref).abs()
+        diff = torch.nan_to_num(diff, nan=float("inf")).max().item()
+        per_param[name] = diff / denom if denom > 0 else (0.0 if diff == 0 else float("inf"))
+    worst = max(per_param, key=per_param.get)
+    return {"worst": per_param[worst], "worst_param": worst, "per_param": per_param}
+
+
+def _KernelCounter():
+    """A dispatch mode counting calls of the ATen SDPA ops (proof that the step went through the cuDNN ops)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.partition(".")[0]
+            if "scaled_dot_product" in name:
+                self.calls[name] = self.calls.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    return Counter()
+
+
+@contextlib.contextmanager
+def _cpu_accelerator_count_one():
+    import torch
+
+    original = torch.accelerator.device_count
+    torch.accelerator.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        torch.accelerator.device_count = original
+
+
+def _parallelise(model16, mode: str):
+    """A fresh bf16 copy with the cuDNN backend and diffusers' own context parallelism; (model, seam)."""
+    from diffusers.models._modeling_parallel import ContextParallelConfig
+
+    def build(seam: bool):
+        model = copy.deepcopy(model16)
+        model.set_attention_backend(BACKEND)
+        config = ContextParallelConfig(**{f"{mode}_degree": WORLD_SIZE})
+        if seam:
+            with _cpu_accelerator_count_one():
+                model.enable_parallelism(config=config)
+        else:
+            model.enable_parallelism(config=config)
+        return model
+
+    try:
+        return build(seam=False), None
+    except ZeroDivisionError:
+        # diffusers 0.42.x: `rank % torch.accelerator.device_count()` with 0 accelerators on a CPU-only torch.
+        return build(seam=True), "torch.accelerator.device_count() -> 1 during enable_parallelism"
+
+
+def _train(mode, model16, inputs16, target, steps, rec: _Warnings, dispatch) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    entry: dict[str, Any] = {"status": "ok", "loss": [], "our_warnings_after_step": []}
+    try:
+        model, seam = _parallelise(model16, mode)
+    except Exception as exc:  # noqa: BLE001
+        entry.update(status="setup_raised", error=f"{type(exc).__name__}: {str(exc)[:500]}")
+        return entry
+    entry["seam"] = seam
+    cp = model._parallel_config.context_parallel_config
+    entry["cp"] = {"ring_degree": cp.ring_degree, "ulysses_degree": cp.ulysses_degree, "world": cp._world_size}
+    # Which ops the cuDNN backend will hand to the templated CP attention, read at call time as diffusers does.
+    entry["ops"] = {
+        name: f"{getattr(dispatch, name).__module__}.{getattr(dispatch, name).__qualname__}"
+        for name in ("_cudnn_attention_forward_op", "_cudnn_attention_backward_op")
+    }
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    names = [name for name, _ in model.named_parameters()]
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        counter = _KernelCounter()
+        try:
+            with counter:
+                loss = _loss(model, inputs16, target)
+                loss.backward()
+        except Exception as exc:  # noqa: BLE001 - a raising step is a result
+            entry.update(status="raised", step=step + 1, error=f"{type(exc).__name__}: {str(exc)[:1000]}")
+            entry["our_warnings_after_step"].append(len(rec.ours()))
+            entry.setdefault("kernel_calls", []).append(counter.calls)
+            return entry
+        entry.setdefault("kernel_calls", []).append(counter.calls)
+        params = list(model.parameters())
+        grads = [p.grad.detach().float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)  # sum of the ranks' partial gradients
+        summed = {}
+        offset = 0
+        for name, p, g in zip(names, params, grads):
+            n = g.numel()
+            summed[name] = flat[offset : offset + n].view_as(g).clone()
+            offset += n
+            p.grad = summed[name].to(p.dtype)
+        optimizer.step()
+        entry["loss"].append(loss.item())
+        entry["our_warnings_after_step"].append(len(rec.ours()))
+        if step == 0:
+            entry["grads"] = summed
+    entry["our_warning_messages"] = rec.ours()[-5:]
+    return entry
