@@ -39,8 +39,10 @@ __all__ = [
     "apply",
     "get_original",
     "is_patched",
+    "probe",
     "revert",
     "set_mask_mode",
+    "set_probe_mode",
     "status",
 ]
 
@@ -68,10 +70,28 @@ def revert() -> Report:
 
 
 def status() -> Report:
-    """Versions and, per fix: expected by the release table, found by the check, applied, and why."""
+    """Versions; per fix: expected by the release table, found by the check, applied, and why; GPU probes."""
+    import sys
+
     from . import _registry
 
-    return _registry.status()
+    report = _registry.status()
+    probe_module = sys.modules.get("diffusers_cudnn_fix.probe")  # never imported just to say "none"
+    return report._replace(probes=probe_module.results()) if probe_module is not None else report
+
+
+def probe(device: Any = None) -> Any:
+    """Run the GPU gradient probe now (see :mod:`diffusers_cudnn_fix.probe`); returns its ProbeResult."""
+    from . import probe as probe_module
+
+    return probe_module.probe(device)
+
+
+def set_probe_mode(mode: str) -> None:
+    """``"off"``, ``"warn"`` (default) or ``"strict"``; wins over ``DIFFUSERS_CUDNN_FIX_PROBE``."""
+    from . import probe as probe_module
+
+    probe_module.set_mode(mode)
 
 
 def is_patched(attr: str) -> bool:

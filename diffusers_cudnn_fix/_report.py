@@ -46,17 +46,19 @@ class Report(NamedTuple):
     module_loaded: bool
     fixes: tuple[FixStatus, ...]
     stale_references: tuple[str, ...] = ()
+    probes: tuple[Any, ...] = ()  # probe.ProbeResult per CUDA device probed in this process
 
     @property
     def ok(self) -> bool:
-        """Every bug the checks found is fixed (vacuously true before diffusers' module is imported)."""
-        return not any(f.needs_attention for f in self.fixes)
+        """Every bug the checks found is fixed and no GPU probe failed (vacuously true before import)."""
+        return not any(f.needs_attention for f in self.fixes) and not any(p.state == "failed" for p in self.probes)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``--json`` and logs."""
         data = self._asdict()
         data["fixes"] = [f._asdict() | {"needs_attention": f.needs_attention} for f in self.fixes]
         data["stale_references"] = list(self.stale_references)
+        data["probes"] = [p.as_dict() for p in self.probes]
         data["ok"] = self.ok
         return data
 
@@ -75,5 +77,7 @@ class Report(NamedTuple):
             )
         for ref in self.stale_references:
             lines.append(f"  still holds a shipped function: {ref}")
+        for p in self.probes:
+            lines.append(f"  GPU probe {p.device}: {p.state} ({p.reason})")
         lines.append(f"  verdict: {'OK' if self.ok else 'NOT SAFE: see the lines above'}")
         return "\n".join(lines)

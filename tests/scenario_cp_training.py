@@ -217,7 +217,10 @@ def _run_rank(rank: int, spec: dict[str, Any], rec: _Warnings, result: dict[str,
         if rank == 0 and entry.get("grads") is not None:
             entry["loss_rel_err"] = abs(entry["loss"][0] - ref32["loss"]) / abs(ref32["loss"])
             entry["compare"] = _compare(entry["grads"], ref32["grads"])
+            # This rank's own (partial) gradients: far off, which is why they are summed over the ranks.
+            entry["local_worst"] = _compare(entry["local_grads"], ref32["grads"])["worst"]
         entry.pop("grads", None)
+        entry.pop("local_grads", None)
         entry["seconds"] = round(time.monotonic() - t0, 2)
         result["modes"][mode] = entry
         dist.barrier()
@@ -365,12 +368,16 @@ def _train(mode, model16, inputs16, target, steps, rec: _Warnings, dispatch) -> 
                 loss.backward()
         except Exception as exc:  # noqa: BLE001 - a raising step is a result
             entry.update(status="raised", step=step + 1, error=f"{type(exc).__name__}: {str(exc)[:1000]}")
+            frames = [f for f in traceback.extract_tb(exc.__traceback__) if "diffusers" in f.filename]
+            entry["where"] = [f"{'/'.join(f.filename.split('/')[-2:])}:{f.lineno} {f.name}" for f in frames[-3:]]
             entry["our_warnings_after_step"].append(len(rec.ours()))
             entry.setdefault("kernel_calls", []).append(counter.calls)
             return entry
         entry.setdefault("kernel_calls", []).append(counter.calls)
         params = list(model.parameters())
         grads = [p.grad.detach().float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32) for p in params]
+        if step == 0:
+            entry["local_grads"] = {name: g.clone() for name, g in zip(names, grads)}
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)  # sum of the ranks' partial gradients
         summed = {}

@@ -1,0 +1,223 @@
+"""One training step of a tiny real Flux transformer under diffusers' own context parallelism, 2 gloo ranks.
+
+Per (release, package imported or not) one job: a fresh launcher interpreter with the release first on
+``PYTHONPATH`` spawns two rank processes, which train Ulysses degree 2 and then ring degree 2 with the
+``_native_cudnn`` backend on the CPU stand-in kernels (``scenario_cp_training.py``). The summed parameter
+gradients are compared with a one-process fp32 reference on diffusers' ``_native_math`` backend:
+relative error per parameter ``max|g_cp - g_ref| / max|g_ref|``, worst over the 62 parameters.
+
+Tolerance (``TOLERANCE``, 5%): the CP run is bf16 and the reference fp32. The same bf16 model run in one
+process on the math backend is 1.6% off the fp32 reference (the bf16 noise floor, measured in every job as
+``reference.bf16_floor``); correct CP runs (0.40+, or Ulysses with the package) are 2.4-2.6% off, broken ones
+260% (ring with the K/V and log-sum-exp fixes) to 3100% (ring as shipped). 5% is ~3x the floor (PyTorch's
+fused-attention tests allow 5x a low-precision reference's error) and ~50x below the smallest broken result.
+
+See docs/cp-training-tests.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from releases import release_dir, run
+
+pytestmark = pytest.mark.slow
+
+#: Releases of the matrix. 0.36.0 is run too, but only recorded (see test_036_recorded).
+AFFECTED = ("0.37.0", "0.37.1", "0.38.0", "0.39.0")
+FIXED_UPSTREAM = ("0.40.0", "0.41.0", "0.42.0", "0.42.1")
+MATRIX = AFFECTED + FIXED_UPSTREAM
+MODES = ("ulysses", "ring")
+
+TOLERANCE = 0.05
+LOSS_TOLERANCE = 0.01  # relative; measured 0.11% for every correct run
+#: Attention layers of the tiny Flux (1 double-stream + 1 single-stream block).
+ATTENTION_LAYERS = 2
+#: cuDNN forward / backward kernel calls per step and rank: ring runs one per ring step (degree 2).
+KERNEL_CALLS = {"ulysses": ATTENTION_LAYERS, "ring": 2 * ATTENTION_LAYERS}
+
+JOB_TIMEOUT_S = 300  # the launcher gives its ranks 240 s, then terminates them
+SCRIPT = "import scenario_cp_training as s; s.launch(package={package!r})"
+
+_jobs: dict[tuple[str, bool], object] = {}
+
+
+def job(version: str, package: bool) -> dict:
+    """The (cached) result of one two-rank job; a failure to get one is cached and re-raised too."""
+    key = (version, package)
+    if key not in _jobs:
+        try:
+            _jobs[key] = run(release_dir(version), SCRIPT.format(package=package), timeout=JOB_TIMEOUT_S)
+        except BaseException as exc:  # noqa: BLE001
+            _jobs[key] = exc
+    result = _jobs[key]
+    if isinstance(result, BaseException):
+        raise result
+    _check_job(version, package, result)
+    return result
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _summary():
+    """With CP_TRAINING_SUMMARY=<path>, write each job's per-mode outcome there when the module is done."""
+    yield
+    path = os.environ.get("CP_TRAINING_SUMMARY")
+    if not path:
+        return
+    summary = {}
+    for (version, package), result in sorted(_jobs.items()):
+        key = f"{version}-{'with' if package else 'without'}"
+        if isinstance(result, BaseException):
+            summary[key] = {"job_error": repr(result)[:500]}
+            continue
+        rank0 = result["ranks"][0]
+        summary[key] = {
+            "wall_s": result["wall_s"],
+            "bf16_floor": rank0.get("reference", {}).get("bf16_floor", {}).get("worst"),
+            **{
+                mode: {
+                    "status": entry["status"],
+                    "worst": entry.get("compare", {}).get("worst"),
+                    "worst_param": entry.get("compare", {}).get("worst_param"),
+                    "local_worst": entry.get("local_worst"),
+                    "loss_rel_err": entry.get("loss_rel_err"),
+                    "error": (entry.get("error") or "")[:200] or None,
+                    "where": entry.get("where"),
+                    "seam": entry.get("seam"),
+                    "our_warnings_after_step": entry.get("our_warnings_after_step"),
+                }
+                for mode, entry in rank0.get("modes", {}).items()
+            },
+        }
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+
+
+def _check_job(version: str, package: bool, result: dict) -> None:
+    assert not result["timed_out"], f"ranks {result['timed_out']} timed out:\n{result['_stderr'][-4000:]}"
+    for rank in result["ranks"]:
+        assert "fatal" not in rank, f"rank {rank['rank']} failed: {rank.get('traceback', rank['fatal'])}"
+        assert rank["diffusers_version"] == version
+        assert rank["diffusers_file"].startswith(str(release_dir(version))), rank["diffusers_file"]
+        if not package:
+            assert rank["package_imported"] is False, "diffusers_cudnn_fix was imported in a 'without' run"
+    assert result["exitcodes"] == [0, 0], result
+
+
+def modes(result: dict, mode: str) -> list[dict]:
+    """The mode's entries of both ranks (rank 0 holds the comparison with the reference)."""
+    return [rank["modes"][mode] for rank in result["ranks"]]
+
+
+def worst(entry: dict) -> float:
+    return entry["compare"]["worst"]
+
+
+def describe(entry: dict) -> str:
+    if entry["status"] != "ok":
+        return f"{entry['status']}: {entry.get('error')} at {entry.get('where')}"
+    c = entry["compare"]
+    return f"worst {c['worst']:.4f} ({c['worst_param']}), loss rel err {entry['loss_rel_err']:.2e}"
+
+
+def assert_correct(result: dict, mode: str, record) -> None:
+    entries = modes(result, mode)
+    for entry in entries:
+        assert entry["status"] == "ok", describe(entry)
+        for calls in entry["kernel_calls"]:
+            # The step really ran through the cuDNN ops (stand-ins), forward and backward.
+            assert calls.get("_scaled_dot_product_cudnn_attention") == KERNEL_CALLS[mode], calls
+            assert calls.get("_scaled_dot_product_cudnn_attention_backward") == KERNEL_CALLS[mode], calls
+    rank0 = entries[0]
+    record("worst_rel_err", worst(rank0))
+    record("worst_param", rank0["compare"]["worst_param"])
+    record("bf16_floor", result["ranks"][0]["reference"]["bf16_floor"]["worst"])
+    assert worst(rank0) <= TOLERANCE, describe(rank0)
+    # Non-vacuity of the all-reduce: diffusers syncs no gradients, one rank's own are partial sums, far off.
+    assert rank0["local_worst"] > TOLERANCE, rank0["local_worst"]
+    assert rank0["loss_rel_err"] <= LOSS_TOLERANCE, describe(rank0)
+    # Every rank computes the loss on the same gathered output.
+    assert entries[0]["loss"][0] == pytest.approx(entries[1]["loss"][0], rel=1e-6)
+
+
+def _id(version: str, mode: str, package: bool) -> str:
+    return f"{version}-{mode}-{'with' if package else 'without'}"
+
+
+def _cases():
+    for version in MATRIX:
+        for mode in MODES:
+            for package in (True, False):
+                marks = ()
+                if version in AFFECTED and mode == "ring" and package:
+                    marks = (pytest.mark.xfail(strict=False, reason="ring guard pending"),)
+                yield pytest.param(version, mode, package, id=_id(version, mode, package), marks=marks)
+
+
+@pytest.mark.parametrize(("version", "mode", "package"), list(_cases()))
+def test_cp_training_step(version: str, mode: str, package: bool, record_property) -> None:
+    result = job(version, package)
+    record_property("job_wall_s", result["wall_s"])
+    entries = modes(result, mode)
+    if version in FIXED_UPSTREAM or (mode == "ulysses" and package):
+        assert_correct(result, mode, record_property)
+    elif mode == "ulysses":
+        # Without the package: the forward computes no log-sum-exp and the backward double-transposes K/V.
+        rank0 = entries[0]
+        wrong = rank0["status"] == "ok" and worst(rank0) > TOLERANCE
+        raised = all(e["status"] == "raised" for e in entries)
+        assert wrong or raised, describe(rank0)
+    elif package:
+        # Ring on an affected release with the package: the package refuses with its own error.
+        for entry in entries:
+            assert entry["status"] == "raised", describe(entry)
+            assert entry["step"] == 1
+            assert "diffusers_cudnn_fix" in entry["error"] and "ring" in entry["error"], entry["error"]
+    else:
+        # Ring as shipped: runs silently and gives wrong gradients.
+        rank0 = entries[0]
+        assert rank0["status"] == "ok", describe(rank0)
+        record_property("worst_rel_err", worst(rank0))
+        assert worst(rank0) > TOLERANCE, describe(rank0)
+
+
+@pytest.mark.parametrize("version", MATRIX)
+def test_status_ok_in_every_rank(version: str) -> None:
+    result = job(version, True)
+    for rank in result["ranks"]:
+        assert rank["status_ok"] is True, rank
+        assert rank["status_ok_end"] is True, rank
+
+
+@pytest.mark.parametrize("version", MATRIX)
+def test_our_warnings_do_not_repeat_per_step(version: str) -> None:
+    """Warnings of DiffusersCudnnFixWarning, recorded with the 'always' filter: none is added by step 2."""
+    result = job(version, True)
+    for rank in result["ranks"]:
+        for mode, entry in rank["modes"].items():
+            counts = entry["our_warnings_after_step"]
+            if entry["status"] == "raised":
+                continue  # only one step ran
+            assert len(counts) == 2, (mode, entry)
+            assert counts[1] == counts[0], (rank["rank"], mode, counts, entry.get("our_warning_messages"))
+
+
+def test_036_recorded(record_property) -> None:
+    """0.36.0 is recorded, asserted only where it is settled: without the package its Ulysses step raises
+    (on the stand-ins at the missing log-sum-exp; past that, its backward returns 11 gradients for 12 inputs).
+    What the package does there is for the guards to decide (with its ``ulysses_grad_count`` fix the Ulysses
+    step measured correct). Ring raises in ``TemplatedRingAttention.forward`` on torch >= 2.9 (0.36.0
+    unsqueezes the already 4-D cuDNN log-sum-exp), with or without the package.
+    """
+    outcomes = {}
+    for package in (False, True):
+        result = job("0.36.0", package)
+        for mode in MODES:
+            rank0 = modes(result, mode)[0]
+            outcomes[_id("0.36.0", mode, package)] = describe(rank0)
+    for key, text in outcomes.items():
+        record_property(key, text)
+    print(outcomes)
+    assert all(e["status"] == "raised" for e in modes(job("0.36.0", False), "ulysses"))
