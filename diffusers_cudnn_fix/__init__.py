@@ -76,20 +76,20 @@ def status() -> Report:
     from . import _registry
 
     report = _registry.status()
-    probe_module = sys.modules.get("diffusers_cudnn_fix.probe")  # never imported just to say "none"
+    probe_module = sys.modules.get("diffusers_cudnn_fix._probe")  # never imported just to say "none"
     return report._replace(probes=probe_module.results()) if probe_module is not None else report
 
 
 def probe(device: Any = None) -> Any:
-    """Run the GPU gradient probe now (see :mod:`diffusers_cudnn_fix.probe`); returns its ProbeResult."""
-    from . import probe as probe_module
+    """Run the GPU gradient probe now (see ``diffusers_cudnn_fix._probe``); returns its ProbeResult."""
+    from . import _probe as probe_module
 
     return probe_module.probe(device)
 
 
 def set_probe_mode(mode: str) -> None:
     """``"off"``, ``"warn"`` (default) or ``"strict"``; wins over ``DIFFUSERS_CUDNN_FIX_PROBE``."""
-    from . import probe as probe_module
+    from . import _probe as probe_module
 
     probe_module.set_mode(mode)
 

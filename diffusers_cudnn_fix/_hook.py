@@ -51,7 +51,7 @@ def on_import(module: ModuleType) -> None:
         from ._registry import apply_to
 
         apply_to(module, scan_references=_late)
-        from .probe import after_patch
+        from ._probe import after_patch
 
         after_patch()
     except Exception as exc:  # noqa: BLE001 - leave diffusers as shipped and say so

@@ -16,7 +16,7 @@ import torch
 #: tensors instead of dense copies. The ops need only a unit last-dim stride, and on an H200 the views gave
 #: the same gradients as the copies while saving their cost (forward 0.47 -> 0.35 ms at B=1 S=4096 H=24
 #: D=128); but diffusers notes that non-contiguous inputs once gave wrong results. So it stays off until
-#: the GPU probe has verified views on the device in use (``probe.py``), and the probe turns it on.
+#: the GPU probe has verified views on the device in use (``_probe.py``), and the probe turns it on.
 zero_copy = False
 
 

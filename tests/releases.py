@@ -33,6 +33,7 @@ def release_dir(version: str) -> Path:
         return target
     partial = CACHE / f".{version}.partial"
     shutil.rmtree(partial, ignore_errors=True)
+    CACHE.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", str(partial)]
     wheels = os.environ.get("DIFFUSERS_WHEELS")  # a folder of wheels, for machines without an index
     if wheels:
@@ -96,3 +97,9 @@ def run(
     result = json.loads(lines[-1])
     result["_stderr"] = proc.stderr
     return result
+
+
+if __name__ == "__main__":
+    # python tests/releases.py [VERSION ...]: install the given releases (default: all) into the cache.
+    for wanted in sys.argv[1:] or RELEASES:
+        print(release_dir(wanted))

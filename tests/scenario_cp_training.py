@@ -287,7 +287,7 @@ def _compare(got: dict, ref: dict) -> dict[str, Any]:
     return {"worst": per_param[worst], "worst_param": worst, "per_param": per_param}
 
 
-def _KernelCounter():
+def _kernel_counter():
     """A dispatch mode counting calls of the ATen SDPA ops (proof that the step went through the cuDNN ops)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -361,7 +361,7 @@ def _train(mode, model16, inputs16, target, steps, rec: _Warnings, dispatch) -> 
     names = [name for name, _ in model.named_parameters()]
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        counter = _KernelCounter()
+        counter = _kernel_counter()
         try:
             with counter:
                 loss = _loss(model, inputs16, target)

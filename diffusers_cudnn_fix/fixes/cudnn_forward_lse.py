@@ -29,7 +29,7 @@ import torch
 from .. import _detect
 from .._fix import Finding, Fix, Lookup
 from .._layout import backward_may_follow, to_kernel_layout, to_model_layout
-from ..probe import maybe_probe
+from .._probe import maybe_probe
 
 TARGET = "_cudnn_attention_forward_op"
 
@@ -55,7 +55,7 @@ def cudnn_attention_forward_op(
     """
     if enable_gqa:
         raise ValueError("`enable_gqa` is not yet supported for cuDNN attention.")
-    maybe_probe(query)  # once per CUDA device: checks these very ops on the GPU (probe.py)
+    maybe_probe(query)  # once per CUDA device: checks these very ops on the GPU (_probe.py)
     q = to_kernel_layout(query)
     k = to_kernel_layout(key)
     v = to_kernel_layout(value)

@@ -27,7 +27,7 @@ import torch
 from .. import _detect
 from .._fix import Finding, Fix, Lookup
 from .._layout import reject_per_step_tensors, to_model_layout, with_strides_of
-from ..probe import maybe_probe
+from .._probe import maybe_probe
 
 FIX_ID = "flash_backward_kv"
 TARGET = "_native_flash_attention_backward_op"
@@ -39,7 +39,7 @@ def native_flash_attention_backward_op(ctx: Any, grad_out: torch.Tensor, *args: 
     Takes ``grad_out`` in (B, S, H, D); returns (dq, dk, dv) in (B, S, H, D).
     """
     reject_per_step_tensors(kwargs, FIX_ID)
-    maybe_probe(grad_out)  # once per CUDA device (probe.py); a no-op on CPU and while compiling
+    maybe_probe(grad_out)  # once per CUDA device (_probe.py); a no-op on CPU and while compiling
     q, k, v, out, lse, cum_seq_q, cum_seq_k, philox_seed, philox_offset = ctx.saved_tensors
     grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         with_strides_of(grad_out.transpose(1, 2), out),

@@ -20,7 +20,7 @@ the user's GPU, torch and cuDNN build:
 * Modes (``DIFFUSERS_CUDNN_FIX_PROBE`` or :func:`set_mode`): ``off``, ``warn`` (default: a warning with the
   error table when it fails), ``strict`` (raise :class:`UnsafeAttentionError`).
 
-Cost: a few milliseconds once cuDNN is loaded (``benchmarks/bench_probe.py``).
+Cost: a few milliseconds once cuDNN is loaded (``benchmarks/bench_gpu.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,162 @@
+"""GPU checks of one diffusers release, run in a fresh interpreter by ``test_gpu.py`` (marker ``gpu``).
+
+    python -c "import scenario_gpu; scenario_gpu.main()"
+
+With the package imported first, on the CUDA device:
+
+* the probe on the ops as shipped (after ``revert()``), then on the corrected ops (after ``apply()``);
+* diffusers' own ``TemplatedUlyssesAttention`` in a one-process NCCL group (world size 1), cuDNN backend,
+  against an fp32 eager reference (the path h200-facts.md measured);
+* a bool mask with masked columns and one fully masked row (B=1 S=64 H=2 D=64) through the cuDNN CP op in
+  each mask mode, and converted with -65504 (F.sdpa's own fill) for comparison, against fp32
+  ``F.scaled_dot_product_attention`` on the math backend with the bool mask.
+
+Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import types
+import warnings
+from typing import Any
+
+import diffusers_cudnn_fix  # noqa: F401  (first: the hook is armed before diffusers loads)
+import diffusers.models.attention_dispatch as module
+import torch
+
+from diffusers_cudnn_fix import _probe as probe
+
+DEVICE = torch.device("cuda", 0)
+NAMES = ("out", "dq", "dk", "dv")
+
+
+def _errors(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
+    out = {}
+    for n in NAMES:
+        g = got[n].float()
+        out[n] = float("inf") if not torch.isfinite(g).all() else (g - ref[n]).abs().max().item()
+    return out
+
+
+def probes() -> dict[str, Any]:
+    diffusers_cudnn_fix.revert()
+    shipped = probe.probe(DEVICE).as_dict()
+    probe._results.clear()  # let the corrected ops be probed afresh
+    diffusers_cudnn_fix.apply()
+    corrected = probe.probe(DEVICE).as_dict()
+    return {"shipped": shipped, "corrected": corrected}
+
+
+def ulysses_nccl() -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not hasattr(module, "TemplatedUlyssesAttention"):
+        return {"status": "absent"}
+    if not dist.is_initialized():
+        store = tempfile.NamedTemporaryFile(delete=False)
+        dist.init_process_group("nccl", init_method=f"file://{store.name}", rank=0, world_size=1)
+    mesh = init_device_mesh("cuda", (1,))
+    config = types.SimpleNamespace(
+        context_parallel_config=types.SimpleNamespace(
+            _ulysses_mesh=mesh, ulysses_degree=1, ring_degree=1, _world_size=2, ulysses_anything=False
+        )
+    )
+    results = {}
+    for case in probe.CASES[:1] + (("heads_ne_seq", 2, 128, 128, 8, 64),):
+        q, k, v, grad = probe._inputs(case, DEVICE)
+        golden = probe.reference(case, DEVICE, torch.float32)
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        try:
+            out = module.TemplatedUlyssesAttention.apply(
+                *leaves, None, 0.0, False, None, False, False,
+                module._cudnn_attention_forward_op, module._cudnn_attention_backward_op, config,
+            )
+            out.backward(grad)
+            got = {"out": out.detach(), **dict(zip(("dq", "dk", "dv"), (x.grad for x in leaves)))}
+            low = probe.reference(case, DEVICE, torch.bfloat16)
+            ref_errors = {n: (low[n] - golden[n]).abs().max().item() for n in NAMES}
+            errors = _errors(got, golden)
+            results[case[0]] = {
+                "errors": errors,
+                "ref_errors": ref_errors,
+                "magnitudes": {n: golden[n].abs().max().item() for n in NAMES},
+                "passed": all(errors[n] <= probe.REFERENCE_FACTOR * ref_errors[n] + probe.ABSOLUTE_SLACK for n in NAMES),
+            }
+        except Exception as exc:  # noqa: BLE001
+            results[case[0]] = {"raised": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    return results
+
+
+class _MaskHarness(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask):
+        q, k, v = (x.clone() for x in (q, k, v))
+        return module._cudnn_attention_forward_op(
+            ctx, q, k, v, mask, 0.0, False, None, False, False, _save_ctx=True, _parallel_config=probe._TRAINING_CP
+        )
+
+    @staticmethod
+    def backward(ctx, grad):
+        dq, dk, dv = module._cudnn_attention_backward_op(ctx, grad)[:3]
+        return dq, dk, dv, None
+
+
+def masks() -> dict[str, Any]:
+    batch, seq, heads, dim = 1, 64, 2, 64
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    q, k, v, grad = (torch.randn(batch, seq, heads, dim, generator=gen, device=DEVICE, dtype=torch.bfloat16) for _ in range(4))
+    keep = torch.ones(batch, 1, seq, seq, dtype=torch.bool, device=DEVICE)
+    keep[..., seq // 2 :: 3] = False
+    keep[..., -1, :] = False  # a fully masked query row
+    # The reference: fp32 math SDPA with the bool mask (its fully masked row is 0).
+    ref_leaves = [x.float().transpose(1, 2).detach().requires_grad_(True) for x in (q, k, v)]
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        ref_out = torch.nn.functional.scaled_dot_product_attention(*ref_leaves, attn_mask=keep)
+    ref_out.backward(grad.float().transpose(1, 2))
+    golden = {n: t.transpose(1, 2).float() for n, t in zip(NAMES, (ref_out.detach(), *(x.grad for x in ref_leaves)))}
+    golden = {n: torch.nan_to_num(t) for n, t in golden.items()}
+
+    def run(mask: torch.Tensor) -> dict[str, Any]:
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = _MaskHarness.apply(*leaves, mask)
+                out.backward(grad)
+        except Exception as exc:  # noqa: BLE001
+            return {"raised": f"{type(exc).__name__}: {str(exc)[:160]}"}
+        got = {"out": out.detach(), **dict(zip(("dq", "dk", "dv"), (x.grad for x in leaves)))}
+        errs = _errors(got, golden)
+        return {"errors": errs, "dead_row_max": got["out"][:, -1].abs().max().item(),
+                "nan": any(not torch.isfinite(t).all().item() for t in got.values())}
+
+    results = {"magnitudes": {n: golden[n].abs().max().item() for n in NAMES}}
+    for mode in ("warn", "convert", "error"):
+        diffusers_cudnn_fix.set_mask_mode(mode)
+        results[f"bool mask, mode {mode}"] = run(keep)
+    diffusers_cudnn_fix.set_mask_mode("warn")
+    results["additive bf16, fill -inf"] = run(torch.zeros(keep.shape, dtype=torch.bfloat16, device=DEVICE).masked_fill_(~keep, float("-inf")))
+    results["additive bf16, fill finfo.min"] = run(torch.zeros(keep.shape, dtype=torch.bfloat16, device=DEVICE).masked_fill_(~keep, torch.finfo(torch.bfloat16).min))
+    results["additive bf16, fill -65504"] = run(torch.zeros(keep.shape, dtype=torch.bfloat16, device=DEVICE).masked_fill_(~keep, -65504.0))
+    return results
+
+
+def main() -> None:
+    import diffusers
+
+    result: dict[str, Any] = {"version": diffusers.__version__, "torch": torch.__version__,
+                              "cudnn": torch.backends.cudnn.version(), "gpu": torch.cuda.get_device_name()}
+    result["probes"] = probes()
+    result["ulysses_nccl"] = ulysses_nccl()
+    result["masks"] = masks()
+    result["status"] = diffusers_cudnn_fix.status().to_dict()
+    print(json.dumps(result, default=str))
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
