@@ -150,10 +150,7 @@ def _cases():
     for version in MATRIX:
         for mode in MODES:
             for package in (True, False):
-                marks = ()
-                if version in AFFECTED and mode == "ring" and package:
-                    marks = (pytest.mark.xfail(strict=False, reason="ring guard pending"),)
-                yield pytest.param(version, mode, package, id=_id(version, mode, package), marks=marks)
+                yield pytest.param(version, mode, package, id=_id(version, mode, package))
 
 
 @pytest.mark.parametrize(("version", "mode", "package"), list(_cases()))

@@ -43,7 +43,7 @@ MESSAGE = (
     "release reuses the first ring step's tensors in its backward and computes wrong gradients for every "
     "attention backend (fixed upstream in diffusers 0.40.0, huggingface/diffusers#14274). Train with Ulysses "
     "context parallelism (ContextParallelConfig(ulysses_degree=...)) or upgrade diffusers to >= 0.40. "
-    f"Ring inference is unaffected. DIFFUSERS_CUDNN_FIX_SKIP={FIX_ID} lets the wrong backward run."
+    f"The ring forward (inference) is left as shipped. DIFFUSERS_CUDNN_FIX_SKIP={FIX_ID} lets the wrong backward run."
 )
 
 

@@ -1,0 +1,113 @@
+"""Import and apply costs on the CPU, side by side in one run, medians of fresh interpreters.
+
+    python benchmarks/bench_import.py [--runs 21] [--out benchmarks/results/bench-import.json]
+
+* ``import wrapt`` vs ``import diffusers_cudnn_fix`` (diffusers absent): the package's own import must cost
+  at most ``import wrapt`` + 5 ms, and load neither torch, diffusers nor packaging.
+* The hook's work once ``diffusers.models.attention_dispatch`` has loaded (behavioural check, install,
+  verification) for 0.39.0 (every fix needed) and 0.42.1 (guards only): target <= 10 ms. Package first:
+  timed around the hook. diffusers first: timed around ``import diffusers_cudnn_fix`` (hook, reference
+  scan and our modules' import; wrapt is imported beforehand).
+
+Each child runs with bytecode compiled (``compileall`` first, ``PYTHONDONTWRITEBYTECODE`` unset), as an
+installed package does. Needs the releases in ``.cache/diffusers`` (``python tests/releases.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import compileall
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from releases import release_dir  # noqa: E402
+
+IMPORT_CHILD = """
+import sys, time
+t = time.perf_counter()
+import {name}
+elapsed = (time.perf_counter() - t) * 1e3
+heavy = [m for m in ("torch", "diffusers", "packaging") if m in sys.modules]
+print(elapsed, ",".join(heavy) or "-")
+"""
+
+# Package first: the hook fires when diffusers' module loads; timed around the hook itself.
+HOOK_PACKAGE_FIRST = """
+import time, sys
+import diffusers_cudnn_fix, wrapt
+from diffusers_cudnn_fix import _hook
+times = []
+def timed(module):
+    t = time.perf_counter()
+    _hook.on_import(module)
+    times.append((time.perf_counter() - t) * 1e3)
+wrapt.importer._post_import_hooks["diffusers.models.attention_dispatch"] = [timed]
+import diffusers.models.attention_dispatch
+assert diffusers_cudnn_fix.status().ok
+print(times[0])
+"""
+
+# diffusers first: the hook fires inside `import diffusers_cudnn_fix` (wrapt imported beforehand, untimed).
+HOOK_DIFFUSERS_FIRST = """
+import time
+import diffusers.models.attention_dispatch, wrapt
+t = time.perf_counter()
+import diffusers_cudnn_fix
+elapsed = (time.perf_counter() - t) * 1e3
+assert diffusers_cudnn_fix.status().ok
+print(elapsed)
+"""
+
+
+def child(code: str, site: Path | None) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPATH"] = os.pathsep.join(([str(site)] if site else []) + [str(ROOT)])
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=21)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    compileall.compile_dir(str(ROOT / "diffusers_cudnn_fix"), quiet=1)
+    results: dict = {"date": time.strftime("%Y-%m-%d"), "python": sys.version.split()[0], "runs": args.runs,
+                     "command": "python benchmarks/bench_import.py --out benchmarks/results/bench-import.json"}
+
+    samples: dict[str, list[float]] = {"wrapt": [], "diffusers_cudnn_fix": []}
+    heavy = set()
+    for _ in range(args.runs):  # interleaved, so drift on a busy machine hits both alike
+        for name in samples:
+            ms, loaded = child(IMPORT_CHILD.format(name=name), None)
+            samples[name].append(float(ms))
+            if name == "diffusers_cudnn_fix" and loaded != "-":
+                heavy.add(loaded)
+    wrapt_ms, ours_ms = (statistics.median(samples[n]) for n in ("wrapt", "diffusers_cudnn_fix"))
+    results["import"] = {"wrapt_ms": wrapt_ms, "diffusers_cudnn_fix_ms": ours_ms, "extra_ms": ours_ms - wrapt_ms,
+                         "heavy_modules_loaded": sorted(heavy)}
+    print(f"import wrapt               median {wrapt_ms:7.2f} ms")
+    print(f"import diffusers_cudnn_fix median {ours_ms:7.2f} ms  (+{ours_ms - wrapt_ms:.2f} ms; target <= +5 ms)")
+    print(f"  heavy modules loaded by our import: {sorted(heavy) or 'none'}")
+
+    for version in ("0.39.0", "0.42.1"):
+        site = release_dir(version)
+        for order, code in (("package first", HOOK_PACKAGE_FIRST), ("diffusers first", HOOK_DIFFUSERS_FIRST)):
+            times = [float(child(code, site)[0]) for _ in range(max(5, args.runs // 2))]
+            med = statistics.median(times)
+            results[f"hook {version} {order}"] = {"median_ms": med, "min_ms": min(times), "max_ms": max(times)}
+            print(f"hook on diffusers {version}, {order:<15}: median {med:6.2f} ms (min {min(times):.2f}, max {max(times):.2f}; target <= 10 ms)")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
