@@ -39,7 +39,9 @@ def test_probe_fails_on_shipped_ops_and_passes_on_corrected_ones(gpu_result: dic
     else:
         assert probes["shipped"]["state"] == "passed", probes["shipped"]  # 0.42.1: nothing to correct
     assert probes["corrected"]["state"] == "passed", probes["corrected"]
-    assert probes["corrected"]["ms"] < 1000  # the budget (50 ms) is checked by benchmarks/bench_gpu.py
+    backends = {c["backend"] for c in probes["corrected"]["cases"]}
+    assert backends == ({"cudnn"} if gpu_result["version"] == "0.36.0" else {"cudnn", "flash"})
+    # Its cost is measured by benchmarks/bench_gpu.py, not asserted here.
 
 
 def test_templated_ulysses_attention_over_nccl_gives_reference_gradients(gpu_result: dict) -> None:
