@@ -40,6 +40,7 @@ from .. import _detect
 from .._config import MASK_VAR, mask_mode
 from .._fix import Finding, Fix, Lookup
 from .._warnings import DiffusersCudnnFixWarning, UnsafeAttentionError, logger
+from ._forward_guard import guard_forward
 
 TARGET = "_cudnn_attention_forward_op"
 ISSUE = "huggingface/diffusers#14342"
@@ -104,40 +105,23 @@ def _warn_once(mask: torch.Tensor, query: torch.Tensor) -> None:
         warnings.warn_explicit(message, MaskMisreadWarning, filename, lineno, module=module)
 
 
-def _guard(inner: Any) -> Any:
-    def cudnn_attention_forward_op(
-        ctx: Any,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        scale: float | None = None,
-        enable_gqa: bool = False,
-        return_lse: bool = False,
-        _save_ctx: bool = True,
-        _parallel_config: Any = None,
-    ):
-        """diffusers' cuDNN forward op behind this package's mask policy (see the module's docstring)."""
-        if _misread(attn_mask, query):
-            if _mode == "convert":
-                attn_mask = additive_mask(attn_mask, query.dtype)
-            elif _mode == "error":
-                raise UnsafeAttentionError(
-                    f"diffusers_cudnn_fix: a {attn_mask.dtype} attention mask reached diffusers' context-parallel "
-                    f"cuDNN op, which would misread it as a {query.dtype} additive bias ({ISSUE}). "
-                    f"Set {MASK_VAR}=convert to convert it, or pass an additive mask of q's dtype."
-                )
-            elif not torch.compiler.is_compiling():
-                _warn_once(attn_mask, query)
-        return inner(
-            ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-            _save_ctx=_save_ctx, _parallel_config=_parallel_config,
+def mask_policy(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Applies the mask mode to a bool or wrongly typed mask (see the module's docstring)."""
+    if not _misread(attn_mask, query):
+        return attn_mask
+    if _mode == "convert":
+        return additive_mask(attn_mask, query.dtype)
+    if _mode == "error":
+        raise UnsafeAttentionError(
+            f"diffusers_cudnn_fix: a {attn_mask.dtype} attention mask reached diffusers' context-parallel "
+            f"cuDNN op, which would misread it as a {query.dtype} additive bias ({ISSUE}). "
+            f"Set {MASK_VAR}=convert to convert it, or pass an additive mask of q's dtype."
         )
-
-    cudnn_attention_forward_op.__wrapped__ = inner  # type: ignore[attr-defined]
-    return cudnn_attention_forward_op
+    if not torch.compiler.is_compiling():
+        _warn_once(attn_mask, query)
+    return attn_mask
 
 
 def _bias(trace: _detect.Trace, op: str) -> torch.Tensor | None:
@@ -176,7 +160,7 @@ def check(lookup: Lookup) -> Finding:
 def build(lookup: Lookup) -> Mapping[str, Any]:
     global _mode
     _mode = mask_mode()  # an unknown value in the environment was reported by mask_mode()
-    return {TARGET: _guard(lookup(TARGET))}
+    return {TARGET: guard_forward(lookup(TARGET), mask_policy)}
 
 
 FIX = Fix(

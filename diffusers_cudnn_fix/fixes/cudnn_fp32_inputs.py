@@ -25,41 +25,24 @@ import torch
 from .. import _detect
 from .._fix import Finding, Fix, Lookup
 from .._warnings import UnsafeAttentionError
+from ._forward_guard import guard_forward
 
 TARGET = "_cudnn_attention_forward_op"
 _SUPPORTED = (torch.float16, torch.bfloat16)
 
 
-def _guard(inner: Any) -> Any:
-    def cudnn_attention_forward_op(
-        ctx: Any,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        scale: float | None = None,
-        enable_gqa: bool = False,
-        return_lse: bool = False,
-        _save_ctx: bool = True,
-        _parallel_config: Any = None,
-    ):
-        """diffusers' cuDNN forward op, refusing the dtypes the cuDNN kernel silently gets wrong."""
-        if query.dtype not in _SUPPORTED or key.dtype not in _SUPPORTED or value.dtype not in _SUPPORTED:
-            raise UnsafeAttentionError(
-                f"diffusers_cudnn_fix: q/k/v of dtype {query.dtype}/{key.dtype}/{value.dtype} reached diffusers' "
-                "context-parallel cuDNN attention op; cuDNN supports float16 and bfloat16 only and returns "
-                "garbage for anything else. Run the model in bf16/fp16 (e.g. torch.autocast or .to(torch.bfloat16)) "
-                "or choose another attention backend."
-            )
-        return inner(
-            ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-            _save_ctx=_save_ctx, _parallel_config=_parallel_config,
+def refuse_unsupported_dtypes(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Raises for the dtypes the cuDNN kernel silently gets wrong; passes the mask on untouched."""
+    if query.dtype not in _SUPPORTED or key.dtype not in _SUPPORTED or value.dtype not in _SUPPORTED:
+        raise UnsafeAttentionError(
+            f"diffusers_cudnn_fix: q/k/v of dtype {query.dtype}/{key.dtype}/{value.dtype} reached diffusers' "
+            "context-parallel cuDNN attention op; cuDNN supports float16 and bfloat16 only and returns "
+            "garbage for anything else. Run the model in bf16/fp16 (e.g. torch.autocast or .to(torch.bfloat16)) "
+            "or choose another attention backend."
         )
-
-    cudnn_attention_forward_op.__wrapped__ = inner  # type: ignore[attr-defined]
-    return cudnn_attention_forward_op
+    return attn_mask
 
 
 def check(lookup: Lookup) -> Finding:
@@ -78,7 +61,7 @@ def check(lookup: Lookup) -> Finding:
 
 
 def build(lookup: Lookup) -> Mapping[str, Any]:
-    return {TARGET: _guard(lookup(TARGET))}
+    return {TARGET: guard_forward(lookup(TARGET), refuse_unsupported_dtypes)}
 
 
 FIX = Fix(
