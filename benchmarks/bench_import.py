@@ -7,7 +7,9 @@
 * The hook's work once ``diffusers.models.attention_dispatch`` has loaded (behavioural check, install,
   verification) for 0.39.0 (every fix needed) and 0.42.1 (guards only): target <= 10 ms. Package first:
   timed around the hook. diffusers first: timed around ``import diffusers_cudnn_fix`` (hook, reference
-  scan and our modules' import; wrapt is imported beforehand).
+  scan and our modules' import; wrapt is imported beforehand). The issue that set the target measured
+  ``import wrapt`` at about 50 ms on its machine, so each hook figure is also given as a multiple of
+  ``import wrapt`` in the same run (10 ms / 50 ms = 0.2).
 
 Each child runs with bytecode compiled (``compileall`` first, ``PYTHONDONTWRITEBYTECODE`` unset), as an
 installed package does. Needs the releases in ``.cache/diffusers`` (``python tests/releases.py``).
@@ -102,8 +104,13 @@ def main() -> None:
         for order, code in (("package first", HOOK_PACKAGE_FIRST), ("diffusers first", HOOK_DIFFUSERS_FIRST)):
             times = [float(child(code, site)[0]) for _ in range(max(5, args.runs // 2))]
             med = statistics.median(times)
-            results[f"hook {version} {order}"] = {"median_ms": med, "min_ms": min(times), "max_ms": max(times)}
-            print(f"hook on diffusers {version}, {order:<15}: median {med:6.2f} ms (min {min(times):.2f}, max {max(times):.2f}; target <= 10 ms)")
+            results[f"hook {version} {order}"] = {
+                "median_ms": med, "min_ms": min(times), "max_ms": max(times), "per_import_wrapt": med / wrapt_ms,
+            }
+            print(
+                f"hook on diffusers {version}, {order:<15}: median {med:6.2f} ms (min {min(times):.2f}, "
+                f"max {max(times):.2f}; target <= 10 ms) = {med / wrapt_ms:.2f} x import wrapt"
+            )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
