@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import os
 
+#: The diffusers module every fix patches.
+MODULE_NAME = "diffusers.models.attention_dispatch"
+
 ENABLE_VAR = "DIFFUSERS_CUDNN_FIX"
 SKIP_VAR = "DIFFUSERS_CUDNN_FIX_SKIP"
 MASK_VAR = "DIFFUSERS_CUDNN_FIX_MASK"

@@ -103,12 +103,6 @@ class Trace:
 
 
 class _Recorder(TorchDispatchMode):
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch wraps a mode's __torch_dispatch__ in a dynamo-disable shim (about 20 us a call). This mode
-        # only runs in our eager check, never under torch.compile, so the shim buys nothing.
-        return False
-
     def __init__(self, trace: Trace) -> None:
         super().__init__()
         self._trace = trace

@@ -14,7 +14,7 @@ from types import ModuleType
 from . import _config
 from ._warnings import FixNotAppliedWarning, report
 
-MODULE_NAME = "diffusers.models.attention_dispatch"
+MODULE_NAME = _config.MODULE_NAME
 
 _armed = False
 _arm_lock = threading.Lock()

@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
-from . import _layout
+from . import _config, _detect, _layout
 from ._fix import Record
 from ._warnings import DiffusersCudnnFixWarning, UnsafeAttentionError, logger, report
 
-MODULE_NAME = "diffusers.models.attention_dispatch"
+MODULE_NAME = _config.MODULE_NAME
 MODE_VAR = "DIFFUSERS_CUDNN_FIX_PROBE"
 MODES = ("off", "warn", "strict")
 
@@ -296,10 +296,7 @@ class _Harness(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-# What diffusers' ops read of a context-parallel config in a 2-rank training run.
-_TRAINING_CP = types.SimpleNamespace(
-    context_parallel_config=types.SimpleNamespace(_world_size=2, ring_degree=1, ulysses_degree=2)
-)
+_TRAINING_CP = _detect.training_parallel_config()  # what diffusers' ops read in a 2-rank training run
 
 
 def run_pair(

@@ -25,7 +25,7 @@ from ._warnings import (
 if TYPE_CHECKING:
     from ._report import Report
 
-MODULE_NAME = "diffusers.models.attention_dispatch"
+MODULE_NAME = _config.MODULE_NAME
 
 # Never hold diffusers' private ops: skipping them keeps the reference scan to a millisecond or two.
 _SCAN_SKIP = frozenset({"torch", "diffusers_cudnn_fix"}) | frozenset(getattr(sys, "stdlib_module_names", ()))

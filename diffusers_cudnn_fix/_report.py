@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 from . import _config
 
-MODULE_NAME = "diffusers.models.attention_dispatch"
+MODULE_NAME = _config.MODULE_NAME
 
 
 class FixStatus(NamedTuple):
