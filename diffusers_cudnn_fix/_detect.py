@@ -1,16 +1,22 @@
 """Behavioural check of diffusers' attention ops, without a GPU.
 
-diffusers' forward/backward op pairs are run on tiny CPU tensors under a ``TorchDispatchMode`` that
-records the arguments reaching the ATen attention ops and answers those calls itself with empty tensors
-shaped as the op contract says (the contract the ops' meta kernels implement; ``tests/test_detect.py``
-holds the two side by side). No attention is computed, no kernel of ours or PyTorch's attention runs, and
-CUDA is never touched. From the record the fixes decide whether the installed code is broken: do q, k and
-v reach the backward kernel in the layout they reached the forward kernel, is the log-sum-exp computed when
-a backward will need it, does ``grad_out`` carry ``out``'s strides.
+diffusers' forward/backward op pairs are run on tiny CPU tensors, and the calls they make to the four ATen
+attention ops are recorded and answered with empty tensors shaped as the op contract says (the contract the
+ops' meta kernels implement; ``tests/test_detect.py`` holds the two side by side). No attention is
+computed, no kernel of ours or PyTorch's attention runs, and CUDA is never touched. From the record the
+fixes decide whether the installed code is broken: do q, k and v reach the backward kernel in the layout
+they reached the forward kernel, is the log-sum-exp computed when a backward will need it, does
+``grad_out`` carry ``out``'s strides.
 
-Why CPU tensors rather than ``device="meta"``: the layout ops around the kernels (transpose, contiguous)
-go through Python reference implementations on meta and made each run twice as slow; the hook has a
-10 ms budget.
+How the calls are caught. Fast path: the ops are run as copies whose ``torch`` global is a view of torch in
+which ``torch.ops.aten``'s four watched ops record and answer; every other tensor op runs natively. Copies
+are made only of functions that reach ``torch.ops`` (and, through closures, of the functions a wrapper
+calls); the installed objects are never touched. Thorough path: a ``TorchDispatchMode`` that sees every
+ATen call, however it is made. The fast path costs about a third of the mode per run (the hook has a
+10 ms budget); the thorough one is taken whenever the fast one cannot vouch for its record: the run
+raised anything but this package's own refusal, or it ran through without reaching a watched op (code
+that calls the ops in a way the view does not cover, e.g. through a helper in another namespace).
+``tests/test_detect.py`` checks that both give the same record on every release.
 
 Shapes are chosen so that every dimension differs (B=2, S_q=5, S_kv=7, H=3, D=8): any transposition shows
 up as a shape change.
@@ -25,7 +31,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._fix import Finding, Record
 
@@ -88,39 +93,156 @@ class OpCall(Record):
 
 
 class Trace:
-    """What happened when an op pair ran on meta tensors."""
+    """What happened when an op pair ran: the watched ATen calls, the results, and any exception."""
 
-    __slots__ = ("calls", "forward_result", "grads", "error")
+    __slots__ = ("calls", "forward_result", "grads", "error", "raised")
 
     def __init__(self) -> None:
         self.calls: list[OpCall] = []
         self.forward_result: Any = None
         self.grads: tuple[Any, ...] | None = None
         self.error: str | None = None
+        self.raised: type[BaseException] | None = None
 
     def first(self, op: str) -> OpCall | None:
         return next((c for c in self.calls if c.op == op), None)
 
+    def record(self, aten_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """Note a call of a watched op and return the contract's answer.
 
-class _Recorder(TorchDispatchMode):
-    def __init__(self, trace: Trace) -> None:
-        super().__init__()
+        Arguments are bound by schema name, defaults filled in: the dispatcher drops arguments equal to
+        their defaults before a dispatch mode sees them, so both ways of catching a call record the same.
+        """
+        op = _WATCHED[aten_name]
+        params, defaults = _schema_params(aten_name)
+        bound = dict(defaults)
+        bound.update(zip(params, args))
+        for name in params[len(args) :]:
+            if name in kwargs:
+                bound[name] = kwargs[name]
+        # Keep the tensors themselves: TensorInfo is taken by the readers, and they are tiny.
+        self.calls.append(OpCall(op, bound))
+        return _answer(op, bound)
+
+
+_params: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {}
+
+
+def _schema_params(aten_name: str) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """The watched op's parameter names in schema order, and its defaults (read once from torch)."""
+    found = _params.get(aten_name)
+    if found is None:
+        arguments = getattr(torch.ops.aten, aten_name).default._schema.arguments
+        names = tuple(arg.name for arg in arguments)
+        defaults = {arg.name: arg.default_value for arg in arguments if arg.has_default_value()}
+        found = _params[aten_name] = (names, defaults)
+    return found
+
+
+# Fast path: a view of torch for the check's copies of the ops.
+
+
+class _RecordedOp:
+    """Stands in for one watched ``torch.ops.aten`` op (and its ``.default`` overload) in the copies."""
+
+    __slots__ = ("_trace", "_aten_name", "default")
+
+    def __init__(self, trace: Trace, aten_name: str) -> None:
         self._trace = trace
+        self._aten_name = aten_name
+        self.default = self
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        kwargs = kwargs or {}
-        name = _WATCHED.get(func.__name__.partition(".")[0])
-        if name is not None:
-            bound = {}
-            for i, arg in enumerate(func._schema.arguments):
-                if i < len(args):
-                    bound[arg.name] = args[i]
-                elif arg.name in kwargs:
-                    bound[arg.name] = kwargs[arg.name]
-            # Keep the tensors themselves: TensorInfo is taken by the readers, and they are tiny.
-            self._trace.calls.append(OpCall(name, bound))
-            return _answer(name, bound)
-        return func(*args, **kwargs)
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        return self._trace.record(self._aten_name, args, kwargs)
+
+
+class _View:
+    """``target`` with some attributes replaced: what the copies see as ``torch``, ``torch.ops``, ``torch.ops.aten``."""
+
+    def __init__(self, target: Any, replaced: dict[str, Any]) -> None:
+        self.__dict__.update(replaced)
+        self._target = target
+
+    def __getattr__(self, name: str) -> Any:  # only called for what is not replaced
+        return getattr(self._target, name)
+
+
+def _torch_view(trace: Trace) -> _View:
+    """torch, except that ``torch.ops.aten``'s watched ops record into ``trace``."""
+    aten = _View(torch.ops.aten, {name: _RecordedOp(trace, name) for name in _WATCHED})
+    return _View(torch, {"ops": _View(torch.ops, {"aten": aten})})
+
+
+def _reaches_ops(code: types.CodeType) -> bool:
+    """Whether ``code`` (or code nested in it) reads an attribute or global named ``ops``."""
+    if "ops" in code.co_names:
+        return True
+    return any(isinstance(c, types.CodeType) and _reaches_ops(c) for c in code.co_consts)
+
+
+def _intercepting(fn: Any, view: _View, namespaces: dict[int, dict[str, Any]], depth: int = 0) -> Any:
+    """``fn`` as a copy that sees ``view`` for torch, if it reaches ``torch.ops``; wrappers are followed
+    through their closures (a guard around the forward op holds the op it calls in a cell). ``fn`` itself
+    is untouched; anything but a plain function is returned as is.
+    """
+    if not isinstance(fn, types.FunctionType) or depth > 8:
+        return fn
+    closure = fn.__closure__
+    if closure:
+        cells = []
+        for cell in closure:
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # an empty cell
+                cells.append(cell)
+                continue
+            inner = _intercepting(contents, view, namespaces, depth + 1)
+            cells.append(cell if inner is contents else types.CellType(inner))
+        if all(new is old for new, old in zip(cells, closure)):
+            new_closure = closure
+        else:
+            new_closure = tuple(cells)
+    else:
+        new_closure = closure
+    globals_ = fn.__globals__
+    # torch under its own name only (diffusers' modules and ours): code reaching it under another name
+    # records nothing here, and the thorough path takes over.
+    if globals_.get("torch") is torch and _reaches_ops(fn.__code__):
+        namespace = namespaces.get(id(globals_))
+        if namespace is None:
+            namespace = namespaces[id(globals_)] = dict(globals_)
+            namespace["torch"] = view
+        globals_ = namespace
+    if globals_ is fn.__globals__ and new_closure is closure:
+        return fn
+    copy = types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, new_closure)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__dict__.update(fn.__dict__)
+    return copy
+
+
+# Thorough path: a dispatch mode, made on first use (creating the class costs the hook time it rarely needs).
+_recorder_class: type | None = None
+
+
+def _recorder(trace: Trace) -> Any:
+    global _recorder_class
+    if _recorder_class is None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _Recorder(TorchDispatchMode):
+            def __init__(self, trace: Trace) -> None:
+                super().__init__()
+                self._trace = trace
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+                aten_name = func.__name__.partition(".")[0]
+                if aten_name in _WATCHED:
+                    return self._trace.record(aten_name, args, kwargs or {})
+                return func(*args, **(kwargs or {}))
+
+        _recorder_class = _Recorder
+    return _recorder_class(trace)
 
 
 class ProbeCtx:
@@ -214,17 +336,23 @@ def run_pair(
     return trace
 
 
+_masks: dict[str, torch.Tensor] = {}
+
+
 def check_mask(kind: str) -> torch.Tensor:
-    """A (B, 1, S_q, S_kv) mask with masked columns and one fully masked row (the last).
+    """A (B, 1, S_q, S_kv) mask with masked columns and one fully masked row (the last); a fresh copy.
 
     ``"bool"``: True = attend. ``"float32"``: the same as an additive fp32 mask (0 / -inf).
     """
-    keep = torch.ones(BATCH, 1, SEQ_Q, SEQ_KV, dtype=torch.bool)
-    keep[..., 1::2] = False
-    keep[..., -1, :] = False
-    if kind == "bool":
-        return keep
-    return torch.zeros(keep.shape, dtype=torch.float32).masked_fill_(~keep, float("-inf"))
+    mask = _masks.get(kind)
+    if mask is None:
+        keep = torch.ones(BATCH, 1, SEQ_Q, SEQ_KV, dtype=torch.bool)
+        keep[..., 1::2] = False
+        keep[..., -1, :] = False
+        _masks["bool"] = keep
+        _masks["float32"] = torch.zeros(keep.shape, dtype=torch.float32).masked_fill_(~keep, float("-inf"))
+        mask = _masks[kind]
+    return mask.clone()  # the code under check may write to what it is given
 
 
 def _run_pair(
@@ -234,14 +362,50 @@ def _run_pair(
     return_lse: bool,
     mask: str | None,
     dtype: torch.dtype,
+    thorough: bool | None = None,
 ) -> Trace:
+    """One run. ``thorough``: None = fast path, thorough path where the fast one cannot vouch for its
+    record (see the module docstring); True / False = that path only (the tests compare the two)."""
+    if not thorough:
+        trace = Trace()
+        view = _torch_view(trace)
+        namespaces: dict[int, dict[str, Any]] = {}
+        fast_forward = _intercepting(forward, view, namespaces)
+        fast_backward = _intercepting(backward, view, namespaces) if backward is not None else None
+        _drive(trace, fast_forward, fast_backward, return_lse, mask, dtype, None)
+        if thorough is False or (not _unvouched(trace)):
+            return trace
     trace = Trace()
+    _drive(trace, forward, backward, return_lse, mask, dtype, _recorder(trace))
+    return trace
+
+
+def _unvouched(trace: Trace) -> bool:
+    """Whether a fast-path record may have missed a call: it raised (other than this package's refusal,
+    which is what a guard is for), or never reached a watched op."""
+    from ._warnings import UnsafeAttentionError
+
+    if trace.raised is not None:
+        return not issubclass(trace.raised, UnsafeAttentionError)
+    return not trace.calls
+
+
+def _drive(
+    trace: Trace,
+    forward: Callable[..., Any],
+    backward: Callable[..., Any] | None,
+    return_lse: bool,
+    mask: str | None,
+    dtype: torch.dtype,
+    mode: Any,
+) -> None:
+    """Call ``forward`` as diffusers' templated attention does in training, then ``backward`` on its output."""
     try:
         q, k, v = _model_qkv(dtype)
         attn_mask = check_mask(mask) if mask is not None else None
         ctx = ProbeCtx()
-        with torch.no_grad(), _Recorder(trace):
-            # no_grad: diffusers calls these ops inside autograd.Function.forward, where grad mode is off.
+        # no_grad: diffusers calls these ops inside autograd.Function.forward, where grad mode is off.
+        with torch.no_grad(), (mode if mode is not None else contextlib.nullcontext()):
             result = forward(
                 ctx,
                 q,
@@ -263,7 +427,7 @@ def _run_pair(
                 trace.grads = tuple(backward(ctx, grad_out))
     except Exception as exc:  # noqa: BLE001 - any failure is a finding, never a crash
         trace.error = f"{type(exc).__name__}: {exc}"
-    return trace
+        trace.raised = type(exc)
 
 
 def _model_qkv(dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -404,17 +568,21 @@ _lse_ndim: int | None = None
 
 
 def cudnn_lse_ndim() -> int:
-    """Dims of the log-sum-exp the running torch's cuDNN kernels produce and take (its meta kernel says).
+    """Dims of the log-sum-exp the running torch's cuDNN kernels produce and take.
 
-    4, (B, H, S, 1), from torch 2.9 on; 3, (B, H, S), before. Asked once per process.
+    4, (B, H, S, 1), from torch 2.9 on; 3, (B, H, S), before (h200-facts.md). Read off the torch release:
+    asking the op's meta kernel costs 1-2 ms on first use (and, before anything else loaded torch's meta
+    registrations, hundreds), too much for the hook. ``tests/test_detect.py`` checks the rule against the
+    meta kernel of the torch in use, and the GPU probe runs the real kernels with this value.
     """
     global _lse_ndim
     if _lse_ndim is None:
+        release = torch.__version__.split("+")[0].split(".")[:2]
         try:
-            q = torch.empty(1, 1, 2, 8, dtype=torch.bfloat16, device="meta")
-            _lse_ndim = torch.ops.aten._scaled_dot_product_cudnn_attention(q, q, q, None, True)[1].dim()
-        except Exception:  # noqa: BLE001 - a torch without the meta kernel predates the 4-D form
-            _lse_ndim = 3
+            major, minor = int(release[0]), int("".join(c for c in release[1] if c.isdigit()) or 0)
+        except (IndexError, ValueError):  # an unreadable version: assume a current torch
+            major, minor = 2, 9
+        _lse_ndim = 4 if (major, minor) >= (2, 9) else 3
     return _lse_ndim
 
 

@@ -277,23 +277,33 @@ def _corrected_forward_installed(module: types.ModuleType) -> bool:
     return False
 
 
-class _Harness(torch.autograd.Function):
-    """Drives a forward/backward op pair as diffusers' TemplatedUlyssesAttention does in training."""
+_harness: Any = None
 
-    @staticmethod
-    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ops: tuple) -> torch.Tensor:
-        forward_op, backward_op = ops
-        ctx._dcf_backward_op = backward_op
-        query, key, value = (x.clone() for x in (query, key, value))  # fresh, as after the all-to-all
-        return forward_op(
-            ctx, query, key, value, None, 0.0, False, None, False, False,
-            _save_ctx=True, _parallel_config=_TRAINING_CP,
-        )
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        dq, dk, dv = ctx._dcf_backward_op(ctx, grad)[:3]
-        return dq, dk, dv, None
+def _harness_class() -> Any:
+    """The ``autograd.Function`` that drives an op pair as diffusers' TemplatedUlyssesAttention does in
+    training. Made on first use: creating it costs the import hook time it never needs."""
+    global _harness
+    if _harness is None:
+
+        class _Harness(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ops: tuple) -> torch.Tensor:
+                forward_op, backward_op = ops
+                ctx._dcf_backward_op = backward_op
+                query, key, value = (x.clone() for x in (query, key, value))  # fresh, as after the all-to-all
+                return forward_op(
+                    ctx, query, key, value, None, 0.0, False, None, False, False,
+                    _save_ctx=True, _parallel_config=_TRAINING_CP,
+                )
+
+            @staticmethod
+            def backward(ctx: Any, grad: torch.Tensor):
+                dq, dk, dv = ctx._dcf_backward_op(ctx, grad)[:3]
+                return dq, dk, dv, None
+
+        _harness = _Harness
+    return _harness
 
 
 _TRAINING_CP = _detect.training_parallel_config()  # what diffusers' ops read in a 2-rank training run
@@ -306,7 +316,7 @@ def run_pair(
     q, k, v, grad = _inputs(case, device)
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     with torch.enable_grad():
-        out = _Harness.apply(*leaves, (forward_op, backward_op))
+        out = _harness_class().apply(*leaves, (forward_op, backward_op))
         out.backward(grad)
     return {"out": out.detach().float(), **{n: x.grad.float() for n, x in zip(("dq", "dk", "dv"), leaves)}}
 

@@ -6,14 +6,15 @@ replacement?), so a reload of diffusers' module or someone else's patch cannot l
 
 from __future__ import annotations
 
+import bisect
 import sys
 import threading
 from collections.abc import Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from . import _config, _detect, _release_table
-from ._fix import Finding, Fix, Record
+from . import _config, _detect
+from ._fix import Finding, Fix, Record, release_table_lists
 from ._warnings import (
     FixNotAppliedWarning,
     ReleaseTableMismatchWarning,
@@ -77,7 +78,7 @@ def _diffusers_version() -> str | None:
 def _expected(fix: Fix, version: str | None) -> bool | None:
     if version is None:
         return None
-    return _release_table.lists(fix.affected, version)
+    return release_table_lists(fix.affected, version)
 
 
 def _holder(module: ModuleType, target: str) -> tuple[Any, str]:
@@ -245,16 +246,35 @@ def _apply_one(module: ModuleType, fix: Fix, *, skip: bool) -> bool:
 
 def _module_namespaces(skip: ModuleType) -> Iterator[tuple[str, dict[str, Any]]]:
     """Namespaces of diffusers' own modules and of the user's code: third-party packages are skipped."""
-    for name, mod in list(sys.modules.items()):
-        top = name.partition(".")[0]
-        if mod is None or mod is skip or top in _SCAN_SKIP:
-            continue
-        path = getattr(mod, "__file__", None) or ""
-        if top != "diffusers" and ("site-packages" in path or "dist-packages" in path):
-            continue
-        namespace = getattr(mod, "__dict__", None)
-        if isinstance(namespace, dict):
-            yield name, namespace
+    # With torch, sympy and friends loaded, sys.modules holds thousands of entries, and even a trivial
+    # Python-level look at each costs milliseconds. So the names are sorted (in C) and each top-level
+    # package is decided once and, if skipped, jumped over whole: "pkg" and every "pkg.*" sort before
+    # "pkg/" ("." < "/", and "/" sorts before any character a module name can continue with).
+    modules = dict(sys.modules)
+    names = sorted(modules)
+    i = 0
+    while i < len(names):
+        top = names[i].partition(".")[0]
+        end = bisect.bisect_left(names, top + "/", i)
+        if _scanned_package(top):
+            for name in names[i:end]:
+                mod = modules[name]
+                namespace = getattr(mod, "__dict__", None) if mod is not None and mod is not skip else None
+                if isinstance(namespace, dict):
+                    yield name, namespace
+        i = max(end, i + 1)
+
+
+def _scanned_package(top: str) -> bool:
+    if top == "diffusers":
+        return True
+    if top in _SCAN_SKIP:
+        return False
+    top_module = sys.modules.get(top)
+    namespace = getattr(top_module, "__dict__", None)
+    # Read the namespace, not the attribute: a lazy module's __getattr__ must not run (it may import).
+    path = (namespace.get("__file__") if isinstance(namespace, dict) else None) or ""
+    return not ("site-packages" in path or "dist-packages" in path)
 
 
 def _rebind_references(module: ModuleType) -> None:
@@ -264,6 +284,8 @@ def _rebind_references(module: ModuleType) -> None:
     if not by_id:
         return
     for mod_name, namespace in _module_namespaces(module):
+        if by_id.keys().isdisjoint(map(id, namespace.values())):
+            continue  # the common case, decided without a Python-level loop over the namespace
         for global_name, value in list(namespace.items()):
             attr = by_id.get(id(value))
             if attr is None or value is not _state.originals[attr]:

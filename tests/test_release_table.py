@@ -6,7 +6,7 @@ import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from diffusers_cudnn_fix._release_table import lists
+from diffusers_cudnn_fix._fix import release_table_lists as lists
 
 VERSIONS = [
     "0.35.2", "0.36.0", "0.36.0.dev0", "0.37.1", "0.39.0", "0.39.0.post1", "0.39.1", "0.40.0.dev0", "0.40.0rc1",

@@ -9,8 +9,9 @@ raises "For group-query attention, number of heads for key and query must be a f
 Releases: 0.36.0 to 0.39.0. Fixed upstream in 0.40.0 (huggingface/diffusers#14274); first reported with
 the fix proposed in huggingface/diffusers#14341.
 
-Detection: run the installed forward and backward on meta tensors with every dimension distinct and
-compare the q/k/v shapes reaching the backward kernel with those that reached the forward kernel.
+Detection: run the installed forward and backward on tiny CPU tensors with every dimension distinct
+(``_detect``: the ATen calls are recorded, not computed) and compare the q/k/v shapes reaching the
+backward kernel with those that reached the forward kernel.
 
 Replacement: :func:`cudnn_attention_backward_op`, which hands the kernel the saved tensors as saved,
 ``grad_out`` with exactly ``out``'s strides and the log-sum-exp with the dims this torch's kernel expects,
@@ -39,7 +40,7 @@ LSE_MISSING = (
 )
 
 #: Dims of the log-sum-exp the running torch's cuDNN backward kernel takes: 4 from torch 2.9 on, else 3.
-#: Read from the kernel's meta implementation when the fix is built (behaviour, not version strings).
+#: Set when the fix is built (``_detect.cudnn_lse_ndim``).
 _lse_ndim = 4
 
 

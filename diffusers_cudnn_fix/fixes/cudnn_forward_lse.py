@@ -8,7 +8,7 @@ Measured on an H200 with the K/V bug already fixed: dQ error 3.9 against a refer
 
 Releases: 0.36.0 to 0.39.0. Fixed upstream in 0.40.0 (huggingface/diffusers#14274).
 
-Detection: run the installed forward on meta tensors as Ulysses does in training (``return_lse=False``,
+Detection: run the installed forward on tiny CPU tensors (``_detect``) as Ulysses does in training (``return_lse=False``,
 context saved, a context-parallel config of world size 2, the Function's ``needs_input_grad`` set) and read
 the ``compute_log_sumexp`` flag reaching the ATen op.
 

@@ -55,8 +55,10 @@ def ring_backward_guard(ctx: Any, grad_out: torch.Tensor, *args: Any) -> Any:
 def _run(backward: Any) -> tuple[list[torch.Tensor] | None, str | None]:
     """Run ``backward`` for ring degree 2 in this process; returns the K each backward-op call saw."""
     batch, seq, heads, dim = 1, 4, 2, 8
-    q, k, v, out = (torch.randn(batch, seq, heads, dim) for _ in range(4))
-    lse = torch.randn(batch, seq, heads)
+    # Values do not matter except that the remote shard differs from the local one (zeros vs ones below);
+    # zeros, not randn: one tensor factory fewer to warm up in the hook.
+    q, k, v, out = (torch.zeros(batch, seq, heads, dim) for _ in range(4))
+    lse = torch.zeros(batch, seq, heads)
     seen: list[torch.Tensor] = []
 
     def backward_op(ctx: Any, grad: torch.Tensor, *a: Any, **kw: Any):
@@ -83,7 +85,7 @@ def _run(backward: Any) -> tuple[list[torch.Tensor] | None, str | None]:
         forward_op=None,
     )
     try:
-        _detect.with_globals(backward, funcol=collectives)(ctx, torch.randn(batch, seq, heads, dim))
+        _detect.with_globals(backward, funcol=collectives)(ctx, torch.zeros(batch, seq, heads, dim))
     except UnsafeAttentionError:
         return None, None
     except Exception as exc:  # noqa: BLE001 - an unknown build: say so

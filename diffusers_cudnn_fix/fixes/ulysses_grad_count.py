@@ -8,7 +8,7 @@ for every attention backend, with or without this package's other fixes.
 Releases: 0.36.0. Fixed upstream in 0.37.0.
 
 Detection: run the installed backward in one process with stand-in collectives (Ulysses degree 1) and a
-backward op returning zeros, and count what it returns against the forward's inputs.
+backward op returning empty gradients, and count what it returns against the forward's inputs.
 
 Replacement: the shipped backward, its result padded with ``None`` (no gradient) for the missing trailing
 inputs (the parallel config, which takes none).
@@ -54,7 +54,7 @@ def _returned(backward: Any) -> tuple[int | None, str | None]:
     batch, seq, heads, dim = 1, 4, 2, 8
 
     def backward_op(ctx: Any, grad: torch.Tensor, *a: Any, **kw: Any):
-        return torch.zeros_like(grad), torch.zeros_like(grad), torch.zeros_like(grad)
+        return torch.empty_like(grad), torch.empty_like(grad), torch.empty_like(grad)  # only counted
 
     config = types.SimpleNamespace(_ulysses_mesh=_detect.FakeMesh(), ulysses_degree=1, _world_size=2)
     ctx = types.SimpleNamespace(
@@ -62,7 +62,7 @@ def _returned(backward: Any) -> tuple[int | None, str | None]:
     )
     run = _with_stand_in_collectives(backward)
     try:
-        return len(tuple(run(ctx, torch.randn(batch, seq, heads, dim)))), None
+        return len(tuple(run(ctx, torch.empty(batch, seq, heads, dim)))), None
     except Exception as exc:  # noqa: BLE001 - an unknown build: say so
         return None, f"{type(exc).__name__}: {exc}"
 

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One device-tool call's work on the GPU machine (its image has torch, wrapt, packaging and pytest, not
+# diffusers): the wheels travel in .whl (carry: [".whl"]), results go to $OUT.
+#
+#   bash benchmarks/gpu_session.sh tests   # GPU tests, raw JSON per release, environment
+#   bash benchmarks/gpu_session.sh import  # benchmarks/bench_import.py on that machine's CPU
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/importlib_metadata-*.whl || exit 1
+export PYTHONPATH=/tmp/site
+export DIFFUSERS_WHEELS=$PWD/.whl  # tests/releases.py installs each release from there, offline
+python3 tests/releases.py 0.36.0 0.39.0 0.40.0 0.42.1 >/dev/null || exit 1
+
+case "${1:-tests}" in
+tests)
+    {
+        nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+        python3 -c "import torch; print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version())"
+        python3 --version
+        git rev-parse HEAD 2>/dev/null || true
+    } >"$OUT/env.txt" 2>&1
+    DIFFUSERS_CUDNN_FIX_RESULTS=$OUT python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider 2>&1 \
+        | tee "$OUT/gpu-tests.log"
+    ;;
+import)
+    python3 benchmarks/bench_import.py --runs 15 --out "$OUT/bench-import-h200-host.json" 2>&1 \
+        | tee "$OUT/bench-import-h200-host.log"
+    ;;
+esac
