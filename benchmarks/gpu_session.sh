@@ -3,7 +3,7 @@
 # diffusers): the wheels travel in .whl (carry: [".whl"]), results go to $OUT.
 #
 #   bash benchmarks/gpu_session.sh tests   # GPU tests, raw JSON per release, environment
-#   bash benchmarks/gpu_session.sh import  # benchmarks/bench_import.py on that machine's CPU
+#   bash benchmarks/gpu_session.sh import  # bench_import.py and hook_phases.py on that machine's CPU
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -20,7 +20,6 @@ tests)
         nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
         python3 -c "import torch; print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version())"
         python3 --version
-        git rev-parse HEAD 2>/dev/null || true
     } >"$OUT/env.txt" 2>&1
     DIFFUSERS_CUDNN_FIX_RESULTS=$OUT python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider 2>&1 \
         | tee "$OUT/gpu-tests.log"
@@ -28,5 +27,7 @@ tests)
 import)
     python3 benchmarks/bench_import.py --runs 15 --out "$OUT/bench-import-h200-host.json" 2>&1 \
         | tee "$OUT/bench-import-h200-host.log"
+    python3 benchmarks/hook_phases.py --runs 9 --out "$OUT/hook-phases-h200-host.json" 2>&1 \
+        | tee "$OUT/hook-phases-h200-host.log"
     ;;
 esac

@@ -14,8 +14,6 @@ happens to bool masks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from . import _config, _hook
 from ._version import __version__
 from ._warnings import (
@@ -26,7 +24,12 @@ from ._warnings import (
     UnsafeAttentionError,
 )
 
+# typing.TYPE_CHECKING without importing typing: wrapt 1.x does not load it, and this import must cost next
+# to nothing beyond wrapt's (the annotations are strings, from __future__).
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from ._report import Report
 
 __all__ = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Literal
 
@@ -96,6 +97,7 @@ class Fix(Record):
     note: Callable[[], str] | None
 
 
+@functools.lru_cache(maxsize=256)
 def release_table_lists(specifier: str, version: str) -> bool | None:
     """Whether the release-table ``specifier`` (:attr:`Fix.affected`) admits ``version``.
 
@@ -107,7 +109,8 @@ def release_table_lists(specifier: str, version: str) -> bool | None:
     ``packaging.specifiers`` costs about 7 ms (it compiles a large regex) against the hook's 10 ms, so the
     forms the table uses, clauses ``>=A`` and ``<B``, are evaluated with ``packaging.version`` (which
     diffusers has already imported); any other form goes to ``SpecifierSet``.
-    ``tests/test_release_table.py`` holds the two side by side.
+    ``tests/test_release_table.py`` holds the two side by side. Answers are cached (a pure function of two
+    strings, asked for every fix by each apply and status report).
     """
     from packaging.version import InvalidVersion, Version
 

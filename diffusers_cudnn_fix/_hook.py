@@ -51,9 +51,12 @@ def on_import(module: ModuleType) -> None:
         from ._registry import apply_to
 
         apply_to(module, scan_references=_late)
-        from ._probe import after_patch
+        # The GPU probe runs now only if CUDA is up already; else at a corrected op's first CUDA call.
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            from ._probe import after_patch
 
-        after_patch()
+            after_patch()
     except Exception as exc:  # noqa: BLE001 - leave diffusers as shipped and say so
         try:
             from ._registry import revert

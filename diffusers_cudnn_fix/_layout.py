@@ -1,4 +1,4 @@
-"""Small tensor-layout helpers shared by the corrected ops.
+"""Small tensor-layout helpers shared by the corrected ops, and their trigger of the GPU probe.
 
 Everything here runs on the training hot path and under ``torch.compile``: plain tensor code, no logging,
 no warnings, no Python state that changes after the fixes are applied.
@@ -18,6 +18,17 @@ import torch
 #: D=128); but diffusers notes that non-contiguous inputs once gave wrong results. So it stays off until
 #: the GPU probe has verified views on the device in use (``_probe.py``), and the probe turns it on.
 zero_copy = False
+
+
+def maybe_probe(tensor: torch.Tensor) -> None:
+    """The GPU probe's trigger in the corrected ops (``_probe.maybe_probe``): at once back on CPU tensors and
+    while ``torch.compile`` traces; ``_probe`` is imported at the first call on a CUDA tensor, not by the
+    import hook, which has a 10 ms budget and no GPU work to do."""
+    if torch.compiler.is_compiling() or tensor.device.type != "cuda":
+        return
+    from . import _probe
+
+    _probe.maybe_probe(tensor)
 
 
 def to_kernel_layout(x: torch.Tensor) -> torch.Tensor:

@@ -9,10 +9,29 @@ import. Filter them like any warning::
 
 from __future__ import annotations
 
-import logging
 import warnings
 
-logger = logging.getLogger("diffusers_cudnn_fix")
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (see __getattr__ below)
+if TYPE_CHECKING:
+    import logging
+
+    logger: logging.Logger
+
+LOGGER_NAME = "diffusers_cudnn_fix"
+
+
+def __getattr__(name: str) -> object:
+    """``logger``, the package's ``logging`` logger, made on first use (PEP 562).
+
+    ``import diffusers_cudnn_fix`` must cost next to nothing beyond ``import wrapt``, and wrapt 1.x loads
+    no ``logging`` (about 5 ms): the package's import never logs, so the logger waits for the hook, by
+    which time torch and diffusers have loaded ``logging`` anyway.
+    """
+    if name == "logger":
+        import logging
+
+        return logging.getLogger(LOGGER_NAME)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class DiffusersCudnnFixWarning(RuntimeWarning):
@@ -37,7 +56,9 @@ def report(message: str, category: type[DiffusersCudnnFixWarning], *, stacklevel
     Never raises, even when a filter turns the category into an error: the host's import must not break
     because of us (a user who wants a hard stop uses the strict switches, which raise on purpose).
     """
-    logger.warning(message)
+    import logging
+
+    logging.getLogger(LOGGER_NAME).warning(message)
     try:
         warnings.warn(message, category, stacklevel=stacklevel + 1)
     except Warning:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from releases import release_dir, relabelled_copy, run
+from releases import ROOT, release_dir, relabelled_copy, run
 
 PREAMBLE = """
 import json, logging, sys, warnings
@@ -51,6 +55,30 @@ def test_import_without_diffusers_loads_nothing_heavy() -> None:
     assert result["status"]["module_loaded"] is False and result["status"]["ok"] is True
     assert {f["detected"] for f in result["status"]["fixes"]} == {"pending"}
     assert result["warnings"] == []
+
+
+BARE_IMPORT = """
+import json, sys, types
+# A stand-in wrapt: what our own modules load, apart from whatever the installed wrapt loads (2.x loads
+# logging and typing itself, 1.x neither).
+stub = types.ModuleType("wrapt")
+stub.register_post_import_hook = lambda hook, name: None
+sys.modules["wrapt"] = stub
+before = set(sys.modules)
+import diffusers_cudnn_fix
+print(json.dumps(sorted(m for m in set(sys.modules) - before if not m.startswith("diffusers_cudnn_fix"))))
+"""
+
+
+def test_our_own_modules_load_no_logging_or_typing_at_import() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", BARE_IMPORT], capture_output=True, text=True, check=True, cwd=str(ROOT),
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    added = json.loads(result.stdout.splitlines()[-1])
+    # logging alone costs ~5 ms, typing ~3 ms: with wrapt 1.x they would be ours to pay. threading (and
+    # its _weakrefset) and warnings: every wrapt loads them; __future__: the annotations directive.
+    assert set(added) <= {"__future__", "threading", "_weakrefset", "warnings"}, added
 
 
 @pytest.mark.parametrize("order", ["package_first", "diffusers_first"])

@@ -28,8 +28,7 @@ import torch
 
 from .. import _detect
 from .._fix import Finding, Fix, Lookup
-from .._layout import backward_may_follow, to_kernel_layout, to_model_layout
-from .._probe import maybe_probe
+from .._layout import backward_may_follow, maybe_probe, to_kernel_layout, to_model_layout
 
 TARGET = "_cudnn_attention_forward_op"
 

@@ -26,8 +26,7 @@ import torch
 
 from .. import _detect
 from .._fix import Finding, Fix, Lookup
-from .._layout import reject_per_step_tensors, to_model_layout, with_strides_of
-from .._probe import maybe_probe
+from .._layout import maybe_probe, reject_per_step_tensors, to_model_layout, with_strides_of
 
 FIX_ID = "flash_backward_kv"
 TARGET = "_native_flash_attention_backward_op"
