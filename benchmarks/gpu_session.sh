@@ -27,7 +27,7 @@ tests)
 import)
     python3 benchmarks/bench_import.py --runs 15 --out "$OUT/bench-import-h200-host.json" 2>&1 \
         | tee "$OUT/bench-import-h200-host.log"
-    python3 benchmarks/hook_phases.py --runs 9 --out "$OUT/hook-phases-h200-host.json" 2>&1 \
+    python3 benchmarks/hook_phases.py --runs 9 2>&1 \
         | tee "$OUT/hook-phases-h200-host.log"
     ;;
 esac
