@@ -250,15 +250,15 @@ def _module_namespaces(skip: ModuleType) -> Iterator[tuple[str, dict[str, Any]]]
     # Python-level look at each costs milliseconds. So the names are sorted (in C) and each top-level
     # package is decided once and, if skipped, jumped over whole: "pkg" and every "pkg.*" sort before
     # "pkg/" ("." < "/", and "/" sorts before any character a module name can continue with).
-    modules = dict(sys.modules)
-    names = sorted(modules)
+    modules = sys.modules
+    names = sorted(modules)  # one C-level snapshot of the keys
     i = 0
     while i < len(names):
         top = names[i].partition(".")[0]
         end = bisect.bisect_left(names, top + "/", i)
         if _scanned_package(top):
             for name in names[i:end]:
-                mod = modules[name]
+                mod = modules.get(name)
                 namespace = getattr(mod, "__dict__", None) if mod is not None and mod is not skip else None
                 if isinstance(namespace, dict):
                     yield name, namespace

@@ -106,17 +106,37 @@ def test_threads_applying_at_once_install_each_fix_once(dispatch_module: types.M
 
 def test_modules_holding_a_shipped_op_are_rebound_and_restored(dispatch_module: types.ModuleType) -> None:
     shipped = _shipped(dispatch_module)
-    user = types.ModuleType("user_training_code")
-    user.backward_op = dispatch_module._cudnn_attention_backward_op  # as `from ... import ... as backward_op`
-    sys.modules[user.__name__] = user
+    # The scan skips third-party packages whole, by sorted name ranges: names right beside a skipped one
+    # ("torch") and a submodule of a user package must still be found.
+    holders = [types.ModuleType(n) for n in ("user_training_code", "torch_user_code", "user_pkg", "user_pkg.sub")]
+    for user in holders:
+        user.backward_op = dispatch_module._cudnn_attention_backward_op  # as `from ... import ... as backward_op`
+        sys.modules[user.__name__] = user
     try:
         diffusers_cudnn_fix.apply()
-        assert user.backward_op is dispatch_module._cudnn_attention_backward_op
-        assert user.backward_op is not shipped["_cudnn_attention_backward_op"]
+        for user in holders:
+            assert user.backward_op is dispatch_module._cudnn_attention_backward_op, user.__name__
+            assert user.backward_op is not shipped["_cudnn_attention_backward_op"]
         diffusers_cudnn_fix.revert()
-        assert user.backward_op is shipped["_cudnn_attention_backward_op"]
+        for user in holders:
+            assert user.backward_op is shipped["_cudnn_attention_backward_op"]
     finally:
-        del sys.modules[user.__name__]
+        for user in holders:
+            del sys.modules[user.__name__]
+
+
+def test_third_party_packages_are_not_scanned(dispatch_module: types.ModuleType) -> None:
+    shipped = _shipped(dispatch_module)
+    vendor = types.ModuleType("some_vendor_pkg")
+    vendor.__file__ = "/usr/lib/python3/site-packages/some_vendor_pkg/__init__.py"
+    vendor.backward_op = shipped["_cudnn_attention_backward_op"]
+    sys.modules[vendor.__name__] = vendor
+    try:
+        diffusers_cudnn_fix.apply()
+        assert vendor.backward_op is shipped["_cudnn_attention_backward_op"]  # left alone, by design
+    finally:
+        diffusers_cudnn_fix.revert()
+        del sys.modules[vendor.__name__]
 
 
 def test_a_replaced_module_object_is_rechecked(dispatch_module: types.ModuleType) -> None:
