@@ -24,7 +24,7 @@ def __getattr__(name: str) -> object:
     """``logger``, the package's ``logging`` logger, made on first use (PEP 562).
 
     ``import diffusers_cudnn_fix`` must cost next to nothing beyond ``import wrapt``, and wrapt 1.x loads
-    no ``logging`` (about 5 ms): the package's import never logs, so the logger waits for the hook, by
+    no ``logging`` (several ms): the package's import never logs, so the logger waits for the hook, by
     which time torch and diffusers have loaded ``logging`` anyway.
     """
     if name == "logger":
