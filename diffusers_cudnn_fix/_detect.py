@@ -215,7 +215,12 @@ def _intercepting(fn: Any, view: _View, namespaces: dict[int, dict[str, Any]], d
         globals_ = namespace
     if globals_ is fn.__globals__ and new_closure is closure:
         return fn
-    copy = types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, new_closure)
+    return _function_copy(fn, globals_, new_closure)
+
+
+def _function_copy(fn: types.FunctionType, globals_: dict[str, Any], closure: Any) -> types.FunctionType:
+    """``fn`` with other globals and closure cells; defaults and attributes kept."""
+    copy = types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, closure)
     copy.__kwdefaults__ = fn.__kwdefaults__
     copy.__dict__.update(fn.__dict__)
     return copy
@@ -594,9 +599,7 @@ def with_globals(fn: Callable[..., Any], **overrides: Any) -> Callable[..., Any]
     """
     namespace = dict(fn.__globals__)
     namespace.update(overrides)
-    copy = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    return copy
+    return _function_copy(fn, namespace, fn.__closure__)
 
 
 class FakeMesh:

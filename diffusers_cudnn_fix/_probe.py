@@ -132,12 +132,11 @@ def results() -> tuple[ProbeResult, ...]:
 
 
 def maybe_probe(tensor: torch.Tensor) -> None:
-    """The automatic trigger, called by the corrected ops: one dict lookup after the first call on a device.
+    """The automatic trigger, reached from the corrected ops through ``_layout.maybe_probe`` (which has
+    already returned for CPU tensors and while compiling): one dict lookup after the first call on a device.
 
     In strict mode a failed probe raises here, at every call, so training stops instead of going on wrong.
     """
-    if torch.compiler.is_compiling() or tensor.device.type != "cuda":
-        return
     key = str(tensor.device)
     done = _results.get(key)
     if done is not None:
