@@ -6,8 +6,8 @@
   at most ``import wrapt`` + 5 ms, and load neither torch, diffusers nor packaging.
 * The hook's work once ``diffusers.models.attention_dispatch`` has loaded (behavioural check, install,
   verification) for 0.39.0 (every fix needed) and 0.42.1 (guards only): target <= 10 ms. Package first:
-  timed around the hook. diffusers first: timed around ``import diffusers_cudnn_fix`` (hook, reference
-  scan and our modules' import; wrapt is imported beforehand). The issue that set the target measured
+  timed around the hook. diffusers first: timed around ``import diffusers_cudnn_fix`` (our modules' import, the hook and its
+  reference check; wrapt is imported beforehand). The issue that set the target measured
   ``import wrapt`` at about 50 ms on its machine, so each hook figure is also given as a multiple of
   ``import wrapt`` in the same run (10 ms / 50 ms = 0.2). The time the cyclic garbage collector spent in
   collections inside the timed window is printed beside it (it is included in the hook figure).

@@ -4,12 +4,14 @@
 #
 #   bash benchmarks/gpu_session.sh tests   # GPU tests, raw JSON per release, environment
 #   bash benchmarks/gpu_session.sh import  # bench_import.py and hook_phases.py on that machine's CPU
+#   bash benchmarks/gpu_session.sh references  # tests/test_references.py under that machine's Python
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+# Every wheel but diffusers' (importlib_metadata, and zipp, which it imports).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/importlib_metadata-*.whl || exit 1
+    $(ls .whl/*.whl | grep -v '/diffusers-') || exit 1
 export PYTHONPATH=/tmp/site
 export DIFFUSERS_WHEELS=$PWD/.whl  # tests/releases.py installs each release from there, offline
 python3 tests/releases.py 0.36.0 0.39.0 0.40.0 0.42.1 >/dev/null || exit 1
@@ -29,5 +31,11 @@ import)
         | tee "$OUT/bench-import-h200-host.log"
     python3 benchmarks/hook_phases.py --runs 9 2>&1 \
         | tee "$OUT/hook-phases-h200-host.log"
+    ;;
+references)
+    # The reference check counts references with sys.getrefcount: run its tests under this Python too
+    # (the releases carried here only).
+    python3 -m pytest tests/test_references.py -q -p no:cacheprovider -k "0.36.0 or 0.39.0 or 0.40.0 or 0.42.1" 2>&1 \
+        | tee "$OUT/references-h200-host.log"
     ;;
 esac

@@ -6,8 +6,9 @@
 Each child loads diffusers' attention module in the given order. The package's hook-time modules are
 imported first and timed as one phase (in real use the hook imports them, or, diffusers first,
 ``import diffusers_cudnn_fix`` does); then the hook runs with each phase timed: each fix's check, build and
-verification, the reference scan (diffusers first only), the announcement, and,
-overlapping those, the cyclic garbage collector's collections.
+verification, the reference check (diffusers first only: references counted, ``sys.modules`` scanned
+only if something else holds a shipped op), the announcement, and, overlapping those, the cyclic
+garbage collector's collections.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def timed(name, fn):
 
 apply_one = registry._apply_one
 registry._apply_one = lambda module, fix, *, skip: timed("fix " + fix.id, apply_one)(module, fix, skip=skip)
-registry._rebind_references = timed("reference scan", registry._rebind_references)
+registry._rebind_references = timed("references (counted; scanned if held)", registry._rebind_references)
 registry._announce = timed("announce", registry._announce)
 
 def on_import(module):

@@ -15,7 +15,6 @@ happens to bool masks.
 from __future__ import annotations
 
 from . import _config, _hook
-from ._version import __version__
 from ._warnings import (
     DiffusersCudnnFixWarning,
     FixNotAppliedWarning,
@@ -23,6 +22,8 @@ from ._warnings import (
     StaleReferenceWarning,
     UnsafeAttentionError,
 )
+
+__version__ = "0.1.0"
 
 # typing.TYPE_CHECKING without importing typing: wrapt 1.x does not load it, and this import must cost next
 # to nothing beyond wrapt's (the annotations are strings, from __future__).

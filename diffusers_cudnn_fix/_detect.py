@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ._fix import Finding, Record
+from ._warnings import UnsafeAttentionError
 
 # Model layout (B, S, H, D) shapes used by the check. All distinct so that a swapped pair of dims is visible.
 BATCH, SEQ_Q, SEQ_KV, HEADS, HEAD_DIM = 2, 5, 7, 3, 8
@@ -388,8 +389,6 @@ def _run_pair(
 def _unvouched(trace: Trace) -> bool:
     """Whether a fast-path record may have missed a call: it raised (other than this package's refusal,
     which is what a guard is for), or never reached a watched op."""
-    from ._warnings import UnsafeAttentionError
-
     if trace.raised is not None:
         return not issubclass(trace.raised, UnsafeAttentionError)
     return not trace.calls
@@ -602,11 +601,8 @@ def with_globals(fn: Callable[..., Any], **overrides: Any) -> Callable[..., Any]
     return _function_copy(fn, namespace, fn.__closure__)
 
 
-class FakeMesh:
-    """Stands in for a DeviceMesh: the stand-in collectives ignore the group."""
-
-    def get_group(self) -> None:
-        return None
+#: Stands in for a DeviceMesh in the class checks: the stand-in collectives ignore the group.
+FAKE_MESH = types.SimpleNamespace(get_group=lambda: None)
 
 
 def input_count(forward: Callable[..., Any]) -> int | None:

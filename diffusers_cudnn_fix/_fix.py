@@ -26,6 +26,10 @@ class Record:
     _defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not kwargs and len(args) == len(self.__slots__):  # every field given in order: the hook's case
+            for name, value in zip(self.__slots__, args):
+                object.__setattr__(self, name, value)
+            return
         if len(args) > len(self.__slots__):
             raise TypeError(f"{type(self).__name__} takes {len(self.__slots__)} fields")
         values = dict(zip(self.__slots__, args))
@@ -105,13 +109,19 @@ def release_table_lists(specifier: str, version: str) -> bool | None:
     carry either code, which is exactly what the behavioural check is for; None too for a string that is
     not PEP 440.
 
-    The table's specifiers are PEP 440 (``>=0.36.0,<0.40.0``, ``>=0.36.0``). Importing
-    ``packaging.specifiers`` costs about 7 ms (it compiles a large regex) against the hook's 10 ms, so the
-    forms the table uses, clauses ``>=A`` and ``<B``, are evaluated with ``packaging.version`` (which
-    diffusers has already imported); any other form goes to ``SpecifierSet``.
-    ``tests/test_release_table.py`` holds the two side by side. Answers are cached (a pure function of two
-    strings, asked for every fix by each apply and status report).
+    The table's specifiers are PEP 440 (``>=0.36.0,<0.40.0``, ``>=0.36.0``), read here without packaging
+    where that is exact: a final release (``0.42.1``) against clauses ``>=A`` / ``<B`` with final bounds is
+    a comparison of integer tuples, zero-padded as PEP 440 compares release segments. Other versions
+    (``0.39.0.post1``, ``0.40.0+local``) go through ``packaging.version``, and other forms of specifier
+    through ``SpecifierSet`` (importing ``packaging.specifiers`` costs about 7 ms, as much as the rest of
+    the hook). ``tests/test_release_table.py`` holds all three against ``SpecifierSet``. Answers are
+    cached (a pure function of two strings, asked for every fix by each apply and status report).
     """
+    release = _final_release(version)
+    if release is not None:
+        plain = [_plain_clause(part.strip()) for part in specifier.split(",")]
+        if plain and all(clause is not None for clause in plain):
+            return all(_compare(release, *clause) for clause in plain)  # type: ignore[misc]
     from packaging.version import InvalidVersion, Version
 
     try:
@@ -126,6 +136,29 @@ def release_table_lists(specifier: str, version: str) -> bool | None:
     from packaging.specifiers import SpecifierSet
 
     return SpecifierSet(specifier).contains(v)
+
+
+def _final_release(text: str) -> tuple[int, ...] | None:
+    """``(0, 42, 1)`` for a plain final release ``0.42.1``; None for anything else (pre, post, dev, local)."""
+    parts = text.strip().split(".")
+    if not all(part.isdigit() and part.isascii() for part in parts):
+        return None
+    return tuple(int(part) for part in parts)
+
+
+def _plain_clause(clause: str) -> tuple[str, tuple[int, ...]] | None:
+    """``('>=', (0, 36, 0))`` / ``('<', (0, 40, 0))`` for a clause with a final-release bound, else None."""
+    for op in (">=", "<"):
+        if clause.startswith(op) and clause[len(op) : len(op) + 1] not in ("=", "<", ">", "~", "!"):
+            bound = _final_release(clause[len(op) :])
+            return None if bound is None else (op, bound)
+    return None
+
+
+def _compare(release: tuple[int, ...], op: str, bound: tuple[int, ...]) -> bool:
+    width = max(len(release), len(bound))  # PEP 440: 0.40 == 0.40.0
+    left, right = release + (0,) * (width - len(release)), bound + (0,) * (width - len(bound))
+    return left >= right if op == ">=" else left < right
 
 
 def _simple_clause(clause: str) -> tuple[str, object] | None:

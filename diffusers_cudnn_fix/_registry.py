@@ -10,7 +10,7 @@ import bisect
 import sys
 import threading
 from collections.abc import Iterator
-from types import ModuleType
+from types import FunctionType, ModuleType
 from typing import TYPE_CHECKING, Any
 
 from . import _config, _detect
@@ -57,6 +57,7 @@ class _State:
         self.rebound: list[tuple[str, str, Any, Any]] = []  # (module name, global name, original, ours)
         self.stale: list[str] = []
         self.announced = False
+        self.scan = "not run"  # what the last reference scan did (for tests and benchmarks)
         self.mismatches_reported: set[str] = set()
 
 
@@ -280,10 +281,19 @@ def _scanned_package(top: str) -> bool:
 def _rebind_references(module: ModuleType) -> None:
     """Rebind module globals that still hold a shipped op (``from ... import _cudnn_..._op`` copies)."""
     # Module-level functions only: a class attribute's staticmethod object is never imported elsewhere.
-    by_id = {id(orig): t for t, orig in _state.originals.items() if orig is not None and "." not in t}
-    if not by_id:
+    targets = [t for t, orig in _state.originals.items() if orig is not None and "." not in t]
+    if not targets:
         return
+    # Walking sys.modules costs a millisecond or more (thousands of entries with torch loaded, more with
+    # every library a training script adds); counting references costs microseconds and in the common case
+    # (nobody imported a private op by name) shows there is nothing to find.
+    if not any(_held_elsewhere(t) for t in targets):
+        _state.scan = "not needed: nothing outside diffusers_cudnn_fix holds a shipped op"
+        return
+    by_id = {id(_state.originals[t]): t for t in targets}
+    scanned = 0
     for mod_name, namespace in _module_namespaces(module):
+        scanned += 1
         if by_id.keys().isdisjoint(map(id, namespace.values())):
             continue  # the common case, decided without a Python-level loop over the namespace
         for global_name, value in list(namespace.items()):
@@ -303,6 +313,75 @@ def _rebind_references(module: ModuleType) -> None:
                 continue
             _state.rebound.append((mod_name, global_name, value, _state.installed[attr]))
             logger.info("rebound %s.%s to the corrected %s", mod_name, global_name, attr)
+    left = [t for t in targets if _held_elsewhere(t)]
+    if left:
+        # A third-party package's global, a list, a closure, a debugger's frame: nothing to rebind by name.
+        logger.info(
+            "diffusers_cudnn_fix: references to the shipped %s remain outside the scanned modules (in an "
+            "installed package, a container, a closure); calls through them run the shipped code",
+            ", ".join(left),
+        )
+    _state.scan = f"scanned {scanned} modules" + (f"; still referenced elsewhere: {', '.join(left)}" if left else "")
+
+
+def _refcounts_are_exact() -> bool:
+    """Whether ``sys.getrefcount`` counts every strong reference: CPython built with the GIL. (A
+    free-threaded build counts some references lazily; other interpreters have no reference counts.) Read
+    off ``sys``: ``sysconfig.get_config_var`` may build its whole table on first use, milliseconds."""
+    return (
+        sys.implementation.name == "cpython"
+        and "free-threading" not in sys.version  # "3.13.1 experimental free-threading build (...)"
+        and "t" not in getattr(sys, "abiflags", "")  # "t": the free-threaded ABI
+    )
+
+
+def _refcount(holder: dict[str, Any], key: str) -> int:
+    """``sys.getrefcount`` of ``holder[key]`` as seen from a frame holding nothing else of it."""
+    return sys.getrefcount(holder[key])
+
+
+def _held_elsewhere(target: str) -> bool:
+    """Whether anything but this package may hold the shipped op at ``target`` (True when unsure).
+
+    Its reference count, less the references this package holds (counted one by one, never assumed) and
+    less what the count itself adds (measured on an object held by one dict entry, read the same way).
+    diffusers' module no longer holds it: our replacement sits there. Anything left over is someone
+    else's: another module's global, a list, a closure. Counting too few of our own only costs a scan.
+    """
+    if not _refcounts_are_exact():
+        return True
+    baseline = _refcount({target: object()}, target)
+    total = _refcount(_state.originals, target)
+    return total - baseline - _own_references(_state.originals[target]) != 0
+
+
+def _own_references(obj: Any) -> int:
+    """References to ``obj`` held by this package besides ``_state.originals``: check records that kept
+    it, rebound entries, and the closure cells and attributes (``__wrapped__``) of our installed objects."""
+    count = sum(seen is obj for record in _state.records.values() for seen in record.seen)
+    count += sum(entry[2] is obj for entry in _state.rebound)
+    pending = [callable_of(installed) for installed in _state.installed.values()]
+    visited: set[int] = set()
+    while pending:
+        fn = pending.pop()
+        if not isinstance(fn, FunctionType) or id(fn) in visited:
+            continue
+        visited.add(id(fn))
+        for cell in fn.__closure__ or ():
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if contents is obj:
+                count += 1
+            else:
+                pending.append(contents)
+        for value in fn.__dict__.values():
+            if value is obj:
+                count += 1
+            else:
+                pending.append(value)
+    return count
 
 
 def _announce(newly: list[str]) -> None:

@@ -72,7 +72,7 @@ def _run(backward: Any) -> tuple[list[torch.Tensor] | None, str | None]:
         AsyncCollectiveTensor=type("AsyncCollectiveTensor", (), {}),
     )
     config = types.SimpleNamespace(
-        _ring_mesh=_detect.FakeMesh(), _ring_local_rank=0, ring_degree=2, convert_to_fp32=False, _world_size=2
+        _ring_mesh=_detect.FAKE_MESH, _ring_local_rank=0, ring_degree=2, convert_to_fp32=False, _world_size=2
     )
     ctx = types.SimpleNamespace(
         _parallel_config=types.SimpleNamespace(context_parallel_config=config),

@@ -56,7 +56,7 @@ def _returned(backward: Any) -> tuple[int | None, str | None]:
     def backward_op(ctx: Any, grad: torch.Tensor, *a: Any, **kw: Any):
         return torch.empty_like(grad), torch.empty_like(grad), torch.empty_like(grad)  # only counted
 
-    config = types.SimpleNamespace(_ulysses_mesh=_detect.FakeMesh(), ulysses_degree=1, _world_size=2)
+    config = types.SimpleNamespace(_ulysses_mesh=_detect.FAKE_MESH, ulysses_degree=1, _world_size=2)
     ctx = types.SimpleNamespace(
         _parallel_config=types.SimpleNamespace(context_parallel_config=config), backward_op=backward_op
     )
