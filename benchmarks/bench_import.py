@@ -1,6 +1,6 @@
 """Import and apply costs on the CPU, side by side in one run, medians of fresh interpreters.
 
-    python benchmarks/bench_import.py [--runs 21] [--out benchmarks/results/bench-import.json]
+    python benchmarks/bench_import.py [--runs 21] [--out benchmarks/results/bench-import.json] [--baseline DIR]
 
 * ``import wrapt`` vs ``import diffusers_cudnn_fix`` (diffusers absent): the package's own import must cost
   at most ``import wrapt`` + 5 ms, and load neither torch, diffusers nor packaging.
@@ -11,6 +11,10 @@
   ``import wrapt`` at about 50 ms on its machine, so each hook figure is also given as a multiple of
   ``import wrapt`` in the same run (10 ms / 50 ms = 0.2). The time the cyclic garbage collector spent in
   collections inside the timed window is printed beside it (it is included in the hook figure).
+
+``--baseline DIR`` (a folder holding another version of the ``diffusers_cudnn_fix`` package, e.g. from
+``git archive REV diffusers_cudnn_fix | tar -x -C DIR``): its hook is timed in the same run, children
+interleaved, and each hook figure gets its ratio to the baseline's.
 
 Each child runs with bytecode compiled (``compileall`` first, ``PYTHONDONTWRITEBYTECODE`` unset), as an
 installed package does. Needs the releases in ``.cache/diffusers`` (``python tests/releases.py``).
@@ -101,11 +105,14 @@ print(elapsed, _gc["ms"])
 """
 
 
-def child(code: str, site: Path | None) -> str:
+def child(code: str, site: Path | None, root: Path = ROOT) -> str:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     inherited = [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []  # e.g. a --target folder of wheels
-    env["PYTHONPATH"] = os.pathsep.join(([str(site)] if site else []) + [str(ROOT)] + inherited)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+    env["PYTHONPATH"] = os.pathsep.join(([str(site)] if site else []) + [str(root)] + inherited)
+    # cwd: `python -c` puts the working directory first on sys.path, so it must be the tree being measured.
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd=str(root)
+    ).stdout.split()
 
 
 def _cpu() -> str:
@@ -122,10 +129,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=21)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--baseline", type=Path,
+        help="a folder holding another version of the diffusers_cudnn_fix package: its hook is timed "
+        "too, interleaved with this one's, and the ratio printed",
+    )
     args = parser.parse_args()
-    compileall.compile_dir(str(ROOT / "diffusers_cudnn_fix"), quiet=1)
+    roots = {"this": ROOT, **({"baseline": args.baseline.resolve()} if args.baseline else {})}
+    for root in roots.values():
+        compileall.compile_dir(str(root / "diffusers_cudnn_fix"), quiet=1)
     results: dict = {"date": time.strftime("%Y-%m-%d"), "python": sys.version.split()[0], "runs": args.runs,
                      "command": "python " + " ".join(sys.argv), "cpu": _cpu(), "cpus": os.cpu_count()}
+    results["baseline"] = str(args.baseline) if args.baseline else None
     print(f"{results['cpu']}, {results['cpus']} CPUs, Python {results['python']}")
 
     samples: dict[str, list[float]] = {"wrapt": [], "diffusers_cudnn_fix": []}
@@ -148,18 +163,28 @@ def main() -> None:
     for version in ("0.39.0", "0.42.1"):
         site = release_dir(version)
         for order, code in (("package first", HOOK_PACKAGE_FIRST), ("diffusers first", HOOK_DIFFUSERS_FIRST)):
-            rows = [[float(x) for x in child(code, site)] for _ in range(max(5, args.runs // 2))]
-            times, gc_ms = [r[0] for r in rows], [r[1] for r in rows]
+            rows: dict[str, list[list[float]]] = {label: [] for label in roots}
+            for i in range(max(5, args.runs // 2)):
+                # Interleaved, alternating which goes first, so drift on a busy machine hits both alike.
+                for label in list(roots) if i % 2 == 0 else list(roots)[::-1]:
+                    rows[label].append([float(x) for x in child(code, site, roots[label])])
+            times, gc_ms = [r[0] for r in rows["this"]], [r[1] for r in rows["this"]]
             med, gc_med = statistics.median(times), statistics.median(gc_ms)
-            results[f"hook {version} {order}"] = {
+            entry = {
                 "median_ms": med, "min_ms": min(times), "max_ms": max(times), "per_import_wrapt": med / wrapt_ms,
                 "gc_median_ms": gc_med,
             }
-            print(
+            line = (
                 f"hook on diffusers {version}, {order:<15}: median {med:6.2f} ms (min {min(times):.2f}, "
                 f"max {max(times):.2f}; target <= 10 ms) = {med / wrapt_ms:.2f} x import wrapt; "
                 f"of it in gc collections: median {gc_med:.2f} ms"
             )
+            if args.baseline:
+                base = statistics.median(r[0] for r in rows["baseline"])
+                entry.update(baseline_median_ms=base, ratio_to_baseline=med / base)
+                line += f"; baseline {base:6.2f} ms, ratio {med / base:.2f}"
+            results[f"hook {version} {order}"] = entry
+            print(line)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")

@@ -27,7 +27,9 @@ tests)
         | tee "$OUT/gpu-tests.log"
     ;;
 import)
-    python3 benchmarks/bench_import.py --runs 15 --out "$OUT/bench-import-h200-host.json" 2>&1 \
+    # .base (carried, if there): an earlier version of the package, timed side by side as the baseline.
+    python3 benchmarks/bench_import.py --runs 15 --out "$OUT/bench-import-h200-host.json" \
+        $( [ -d .base/diffusers_cudnn_fix ] && echo --baseline .base ) 2>&1 \
         | tee "$OUT/bench-import-h200-host.log"
     python3 benchmarks/hook_phases.py --runs 9 2>&1 \
         | tee "$OUT/hook-phases-h200-host.log"

@@ -77,7 +77,7 @@ def count(root: Path, version: str, code: str, library: Path, out: Path) -> int:
     proc = subprocess.run(
         ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
          f"--callgrind-out-file={out}", sys.executable, "-c", code, str(library)],
-        env=env, capture_output=True, text=True,
+        env=env, capture_output=True, text=True, cwd=str(root),  # `-c` puts the working directory first on sys.path
     )
     found = re.search(r"Collected : (\d+)", proc.stderr)
     if proc.returncode != 0 or found is None:

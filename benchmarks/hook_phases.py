@@ -94,7 +94,9 @@ def child(order: str, site: Path) -> dict[str, float]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     inherited = [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []
     env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT), *inherited])
-    proc = subprocess.run([sys.executable, "-c", CHILD, order], env=env, capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, order], env=env, capture_output=True, text=True, check=True, cwd=str(ROOT)
+    )
     return json.loads(proc.stdout.splitlines()[-1])
 
 
