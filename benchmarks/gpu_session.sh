@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_session.sh tests   # GPU tests, raw JSON per release, environment
 #   bash benchmarks/gpu_session.sh import  # bench_import.py and hook_phases.py on that machine's CPU
 #   bash benchmarks/gpu_session.sh references  # tests/test_references.py under that machine's Python
+#   bash benchmarks/gpu_session.sh hook-ab  # the hook only, this package against .base, more runs
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -33,6 +34,10 @@ import)
         | tee "$OUT/bench-import-h200-host.log"
     python3 benchmarks/hook_phases.py --runs 9 2>&1 \
         | tee "$OUT/hook-phases-h200-host.log"
+    ;;
+hook-ab)
+    python3 benchmarks/bench_import.py --runs 22 --hook-only --baseline .base \
+        --out "$OUT/bench-hook-ab-h200-host.json" 2>&1 | tee "$OUT/bench-hook-ab-h200-host.log"
     ;;
 references)
     # The reference check counts references with sys.getrefcount: run its tests under this Python too
