@@ -111,17 +111,16 @@ def release_table_lists(specifier: str, version: str) -> bool | None:
 
     The table's specifiers are PEP 440 (``>=0.36.0,<0.40.0``, ``>=0.36.0``), read here without packaging
     where that is exact: a final release (``0.42.1``) against clauses ``>=A`` / ``<B`` with final bounds is
-    a comparison of integer tuples, zero-padded as PEP 440 compares release segments. Other versions
-    (``0.39.0.post1``, ``0.40.0+local``) go through ``packaging.version``, and other forms of specifier
-    through ``SpecifierSet`` (importing ``packaging.specifiers`` costs about 7 ms, as much as the rest of
-    the hook). ``tests/test_release_table.py`` holds all three against ``SpecifierSet``. Answers are
+    a comparison of integer tuples, zero-padded as PEP 440 compares release segments; other versions
+    (``0.39.0.post1``, ``0.40.0+local``) are parsed by ``packaging.version`` and their release segment
+    compared the same way; other forms of specifier (and epochs) go to ``SpecifierSet`` (importing ``packaging.specifiers`` costs about 7 ms, as much as the rest of
+    the hook). ``tests/test_release_table.py`` holds these paths against ``SpecifierSet``. Answers are
     cached (a pure function of two strings, asked for every fix by each apply and status report).
     """
+    plain = [_plain_clause(part.strip()) for part in specifier.split(",")]
     release = _final_release(version)
-    if release is not None:
-        plain = [_plain_clause(part.strip()) for part in specifier.split(",")]
-        if plain and all(clause is not None for clause in plain):
-            return all(_compare(release, *clause) for clause in plain)  # type: ignore[misc]
+    if release is not None and all(plain):
+        return all(_compare(release, *clause) for clause in plain)  # type: ignore[misc]
     from packaging.version import InvalidVersion, Version
 
     try:
@@ -130,9 +129,9 @@ def release_table_lists(specifier: str, version: str) -> bool | None:
         return None
     if v.is_prerelease:
         return None
-    bounds = [_simple_clause(part.strip()) for part in specifier.split(",")]
-    if bounds and all(b is not None for b in bounds):
-        return all((v >= bound) if op == ">=" else (v < bound) for op, bound in bounds)  # type: ignore[misc]
+    if v.epoch == 0 and all(plain):
+        # Post-releases and local versions: against final bounds, >= and < read the release segment alone.
+        return all(_compare(v.release, *clause) for clause in plain)  # type: ignore[misc]
     from packaging.specifiers import SpecifierSet
 
     return SpecifierSet(specifier).contains(v)
@@ -159,20 +158,3 @@ def _compare(release: tuple[int, ...], op: str, bound: tuple[int, ...]) -> bool:
     width = max(len(release), len(bound))  # PEP 440: 0.40 == 0.40.0
     left, right = release + (0,) * (width - len(release)), bound + (0,) * (width - len(bound))
     return left >= right if op == ">=" else left < right
-
-
-def _simple_clause(clause: str) -> tuple[str, object] | None:
-    """``('>=', Version)`` or ``('<', Version)`` for a final-release bound, else None (take the slow path)."""
-    from packaging.version import InvalidVersion, Version
-
-    for op in (">=", "<"):
-        rest = clause[len(op) :]
-        if clause.startswith(op) and rest[:1] not in ("=", "<", ">", "~", "!"):
-            try:
-                bound = Version(rest.strip())
-            except InvalidVersion:
-                return None
-            if bound.is_prerelease or bound.is_postrelease or bound.local or "*" in rest:
-                return None
-            return op, bound
-    return None

@@ -13,6 +13,7 @@ from diffusers_cudnn_fix._fix import release_table_lists as lists
 VERSIONS = [
     "0.35.2", "0.36.0", "0.36.0.dev0", "0.37.1", "0.39.0", "0.39.0.post1", "0.39.1", "0.40.0.dev0", "0.40.0rc1",
     "0.40.0", "0.40.0+local", "0.42.1", "1.0.0", "0.36.0a1", "0.40", "0.39.0.0", "0.40.0.1", "1", "v0.39.0",
+    "1!0.39.0", "0.40.0.post1", "0.39.0.post1+local",
 ]
 # The table's own forms (integer path for final releases), their relatives, and forms only SpecifierSet reads.
 SPECIFIERS = [
