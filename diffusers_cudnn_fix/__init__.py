@@ -2,42 +2,57 @@
 
 ``import diffusers_cudnn_fix`` is all a user does: a post-import hook checks
 ``diffusers.models.attention_dispatch`` when it is imported (or at once, if it already is) and replaces
-only the ops the check shows broken. The import itself loads nothing heavy (no torch, no diffusers) and
-never initialises CUDA.
+only the ops the check shows broken. The import itself loads neither torch nor diffusers, starts no
+thread and never initialises CUDA. A GPU probe checks the ops once per CUDA device, at their first CUDA
+call (or when asked: :func:`probe`, ``python -m diffusers_cudnn_fix``).
 
-Public API: :func:`apply`, :func:`revert`, :func:`status`, :func:`is_patched`, :func:`get_original`, the
-warning categories, and ``python -m diffusers_cudnn_fix`` (prints :func:`status`).
-Switches: ``DIFFUSERS_CUDNN_FIX=0`` turns the package off; ``DIFFUSERS_CUDNN_FIX_SKIP=id,...`` leaves
-named fixes alone; ``DIFFUSERS_CUDNN_FIX_MASK=warn|convert|error`` (or :func:`set_mask_mode`) says what
-happens to bool masks.
+Public API: :func:`apply`, :func:`revert`, :func:`status` (a :class:`Report`), :func:`probe`,
+:func:`is_patched`, :func:`get_original`, :func:`set_mask_mode`, :func:`set_probe_mode`, the warning
+categories and :class:`UnsafeAttentionError`.
+
+Switches (environment; values are case-insensitive; docs/behaviour.md has the whole contract):
+
+- ``DIFFUSERS_CUDNN_FIX=0`` turns the package off (``1``, the default, leaves it on);
+- ``DIFFUSERS_CUDNN_FIX_SKIP=id,...`` leaves named fixes alone (they are still checked and reported);
+- ``DIFFUSERS_CUDNN_FIX_MASK=convert|warn|error`` (or :func:`set_mask_mode`): what happens to a bool or
+  wrongly typed mask reaching the cuDNN context-parallel op; ``convert`` is the default;
+- ``DIFFUSERS_CUDNN_FIX_PROBE=warn|strict|off`` (or :func:`set_probe_mode`): what a failed GPU probe does.
 """
 
 from __future__ import annotations
 
-from . import _config, _hook
+import sys
+from typing import TYPE_CHECKING, Any
+
+from . import _hook, _switches
 from ._warnings import (
     DiffusersCudnnFixWarning,
     FixNotAppliedWarning,
+    MaskConvertedWarning,
+    MaskMisreadWarning,
+    ProbeFailedWarning,
     ReleaseTableMismatchWarning,
     StaleReferenceWarning,
+    SwitchValueWarning,
     UnsafeAttentionError,
 )
 
-__version__ = "0.1.0"
-
-# typing.TYPE_CHECKING without importing typing: wrapt 1.x does not load it, and this import must cost next
-# to nothing beyond wrapt's (the annotations are strings, from __future__).
-TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
-
+    from ._devices import ProbeResult
     from ._report import Report
+
+__version__ = "0.1.0"
 
 __all__ = [
     "DiffusersCudnnFixWarning",
     "FixNotAppliedWarning",
+    "MaskConvertedWarning",
+    "MaskMisreadWarning",
+    "ProbeFailedWarning",
     "ReleaseTableMismatchWarning",
+    "Report",
     "StaleReferenceWarning",
+    "SwitchValueWarning",
     "UnsafeAttentionError",
     "__version__",
     "apply",
@@ -51,8 +66,17 @@ __all__ = [
 ]
 
 
+def __getattr__(name: str) -> Any:
+    """``Report`` on first use (PEP 562): its module loads dataclasses, which the package's import avoids."""
+    if name == "Report":
+        from ._report import Report
+
+        return Report
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def apply() -> Report:
-    """Import diffusers' attention module if needed, check it and install the fixes it needs.
+    """Arm the hook, import diffusers' attention module if needed, check it and install the fixes it needs.
 
     Idempotent and thread-safe; after :func:`revert` it re-checks and re-installs. A no-op (returning the
     report) when the package is switched off. Raises ImportError only if diffusers is not installed.
@@ -61,69 +85,64 @@ def apply() -> Report:
 
     from . import _registry
 
-    module = importlib.import_module(_registry.MODULE_NAME)
+    _hook.arm()
+    module = importlib.import_module(_switches.MODULE_NAME)  # a first import fires the hook
     _registry.apply_to(module)
+    if _switches.enabled():
+        _hook.install_prober()
     return _registry.status()
 
 
 def revert() -> Report:
-    """Put back the exact objects diffusers shipped (and any references we rebound). Idempotent."""
+    """Put back the exact objects diffusers shipped (and any references we rebound), and disarm the hook so
+    that a later import of diffusers patches nothing until :func:`apply`. Idempotent; works without torch."""
     from . import _registry
 
+    _hook.disarm()
     return _registry.revert()
 
 
 def status() -> Report:
     """Versions; per fix: expected by the release table, found by the check, applied, and why; GPU probes."""
-    import sys
-
     from . import _registry
 
-    report = _registry.status()
-    probe_module = sys.modules.get("diffusers_cudnn_fix._probe")  # never imported just to say "none"
-    return report._replace(probes=probe_module.results()) if probe_module is not None else report
+    return _registry.status()
 
 
-def probe(device: Any = None) -> Any:
-    """Run the GPU gradient probe now (see ``diffusers_cudnn_fix._probe``); returns its ProbeResult."""
-    from . import _probe as probe_module
+def probe(device: Any = None) -> ProbeResult:
+    """Run the GPU gradient probe now on ``device`` (default: the current CUDA device); returns its result."""
+    from . import _probe
 
-    return probe_module.probe(device)
+    return _probe.probe(device)
 
 
 def set_probe_mode(mode: str) -> None:
-    """``"off"``, ``"warn"`` (default) or ``"strict"``; wins over ``DIFFUSERS_CUDNN_FIX_PROBE``."""
-    from . import _probe as probe_module
+    """``"warn"`` (default), ``"strict"`` or ``"off"``, any case; wins over ``DIFFUSERS_CUDNN_FIX_PROBE``."""
+    _switches.set_probe_mode(mode)
 
-    probe_module.set_mode(mode)
+
+def set_mask_mode(mode: str) -> None:
+    """What a bool or wrongly typed mask reaching the cuDNN context-parallel op does (#14342), any case:
+    ``"convert"`` (default: to an additive mask in q's dtype), ``"warn"`` (pass it through as diffusers
+    does, warn once) or ``"error"`` (raise :class:`UnsafeAttentionError`). Wins over
+    ``DIFFUSERS_CUDNN_FIX_MASK``."""
+    _switches.set_mask_mode(mode)
 
 
 def is_patched(attr: str) -> bool:
     """Whether ``diffusers.models.attention_dispatch.<attr>`` is our replacement right now."""
+    if "diffusers_cudnn_fix._registry" not in sys.modules:
+        return False  # nothing was ever patched in this process
     from . import _registry
 
     return _registry.is_patched(attr)
 
 
 def get_original(attr: str) -> Any:
-    """The object diffusers shipped as ``diffusers.models.attention_dispatch.<attr>``."""
+    """The object diffusers shipped as ``diffusers.models.attention_dispatch.<attr>`` (None if absent)."""
     from . import _registry
 
     return _registry.original(attr)
-
-
-def set_mask_mode(mode: str) -> None:
-    """What to do when a bool or wrongly typed mask reaches the cuDNN context-parallel op (#14342).
-
-    ``"warn"`` (default: pass it through, warn once), ``"convert"`` (to an additive mask in q's dtype) or
-    ``"error"`` (raise :class:`UnsafeAttentionError`). Wins over ``DIFFUSERS_CUDNN_FIX_MASK``.
-    """
-    import sys
-
-    _config.set_mask_mode(mode)
-    live = sys.modules.get("diffusers_cudnn_fix.fixes.cudnn_bool_mask")
-    if live is not None:
-        live._mode = mode
 
 
 _hook.arm()

@@ -14,6 +14,7 @@ Exit status:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -72,16 +73,21 @@ def _shipped_vs_corrected(device: Any) -> list[dict[str, Any]]:
             rows.append({"variant": label, "errors": errors, "error": None})
         except Exception as exc:  # noqa: BLE001 - the shipped ops may raise: that is the finding
             rows.append({"variant": label, "errors": None, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
-    rows.append({"variant": "reference magnitudes", "errors": {n: golden[n].abs().max().item() for n in probe.TENSORS}, "error": None})
+    rows.append(
+        {
+            "variant": "reference magnitudes",
+            "errors": {n: golden[n].abs().max().item() for n in probe.TENSORS},
+            "error": None,
+        }
+    )
     return rows
 
 
 def collect(run_gpu: bool = True) -> tuple[dict[str, Any], int]:
     """Everything the doctor shows, as data, and the exit status."""
     try:
-        import torch  # noqa: F401
-
         import diffusers.models.attention_dispatch  # noqa: F401 - fires the hook
+        import torch  # noqa: F401
     except Exception as exc:  # noqa: BLE001
         return {"error": f"cannot import diffusers' attention module: {type(exc).__name__}: {exc}"}, EXIT_NO_DIFFUSERS
 
@@ -95,7 +101,8 @@ def collect(run_gpu: bool = True) -> tuple[dict[str, Any], int]:
     gpu = None
     if run_gpu:
         result = probe.probe()
-        data["probe"] = result.as_dict()
+        data["probe"] = dataclasses.asdict(result)
+        data["probe_table"] = probe.table(result)
         if result.state != "skipped":
             gpu = result.device
             data["shipped_vs_corrected"] = _shipped_vs_corrected(__import__("torch").device(gpu))
@@ -128,10 +135,7 @@ def _print_human(data: dict[str, Any]) -> None:
     if probe_data is not None:
         print(f"\nGPU probe: {probe_data['state']} on {probe_data['device']} ({probe_data['reason']})")
         if probe_data["state"] != "skipped":
-            from ._probe import CaseResult, ProbeResult
-
-            cases = tuple(CaseResult(**c) for c in probe_data["cases"])
-            print(ProbeResult(**{**probe_data, "cases": cases}).table())
+            print(data["probe_table"])
     rows = data.get("shipped_vs_corrected")
     if rows:
         print("\ncuDNN op pair, bf16 B=2 S=16 H=16 D=64, max-abs error vs fp32 eager:")
@@ -140,7 +144,9 @@ def _print_human(data: dict[str, Any]) -> None:
             if row["error"]:
                 print(f"  {row['variant']:<22}raises {row['error']}")
             else:
-                print(f"  {row['variant']:<22}" + "".join(f"{row['errors'][t]:>10.4f}" for t in ("out", "dq", "dk", "dv")))
+                print(
+                    f"  {row['variant']:<22}" + "".join(f"{row['errors'][t]:>10.4f}" for t in ("out", "dq", "dk", "dv"))
+                )
     if data.get("probe", {}).get("state") == "skipped":
         print(
             "\nNot verified on a GPU here: the behavioural check above ran (on CPU, no GPU needed), the GPU "

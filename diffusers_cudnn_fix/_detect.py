@@ -1,22 +1,12 @@
 """Behavioural check of diffusers' attention ops, without a GPU.
 
-diffusers' forward/backward op pairs are run on tiny CPU tensors, and the calls they make to the four ATen
-attention ops are recorded and answered with empty tensors shaped as the op contract says (the contract the
-ops' meta kernels implement; ``tests/test_detect.py`` holds the two side by side). No attention is
-computed, no kernel of ours or PyTorch's attention runs, and CUDA is never touched. From the record the
-fixes decide whether the installed code is broken: do q, k and v reach the backward kernel in the layout
-they reached the forward kernel, is the log-sum-exp computed when a backward will need it, does
-``grad_out`` carry ``out``'s strides.
-
-How the calls are caught. Fast path: the ops are run as copies whose ``torch`` global is a view of torch in
-which ``torch.ops.aten``'s four watched ops record and answer; every other tensor op runs natively. Copies
-are made only of functions that reach ``torch.ops`` (and, through closures, of the functions a wrapper
-calls); the installed objects are never touched. Thorough path: a ``TorchDispatchMode`` that sees every
-ATen call, however it is made. The fast path costs about a third of the mode per run (the hook has a
-10 ms budget); the thorough one is taken whenever the fast one cannot vouch for its record: the run
-raised anything but this package's own refusal, or it ran through without reaching a watched op (code
-that calls the ops in a way the view does not cover, e.g. through a helper in another namespace).
-``tests/test_detect.py`` checks that both give the same record on every release.
+diffusers' forward/backward op pairs are run on tiny CPU tensors under a ``TorchDispatchMode`` that sees
+every ATen call. The calls to the four ATen attention ops are recorded and answered with empty tensors
+shaped as the op contract says (the contract the ops' meta kernels implement; ``tests/test_detect.py``
+holds the two side by side); every other op runs normally. No attention is computed and CUDA is never
+touched. From the record the fixes decide whether the installed code is broken: do q, k and v reach the
+backward kernel in the layout they reached the forward kernel, is the log-sum-exp computed when a backward
+will need it, does ``grad_out`` carry ``out``'s strides, what reaches the bias slot.
 
 Shapes are chosen so that every dimension differs (B=2, S_q=5, S_kv=7, H=3, D=8): any transposition shows
 up as a shape change.
@@ -24,16 +14,17 @@ up as a shape change.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from packaging.version import Version
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._fix import Finding, Record
-from ._warnings import UnsafeAttentionError
+from ._fix import Finding
 
 # Model layout (B, S, H, D) shapes used by the check. All distinct so that a swapped pair of dims is visible.
 BATCH, SEQ_Q, SEQ_KV, HEADS, HEAD_DIM = 2, 5, 7, 3, 8
@@ -50,7 +41,8 @@ _WATCHED = {
     "_scaled_dot_product_flash_attention_backward": FLASH_BACKWARD,
 }
 
-# Parameters of diffusers' templated forward ops (0.36.0 to 0.42.1 spell them the same way).
+#: Parameters of diffusers' templated forward ops (0.36.0 to 0.42.1 spell them the same way); the corrected
+#: forward (``fixes/cudnn_forward_lse.py``) is the one place they are written out as a signature.
 FORWARD_PARAMS = (
     "ctx",
     "query",
@@ -67,10 +59,10 @@ FORWARD_PARAMS = (
 )
 
 
-class TensorInfo(Record):
+@dataclass(frozen=True)
+class TensorInfo:
     """What the check keeps of a tensor argument."""
 
-    __slots__ = ("shape", "stride", "dtype")
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
@@ -82,10 +74,10 @@ class TensorInfo(Record):
         return cls(tuple(value.shape), tuple(value.stride()), value.dtype)
 
 
-class OpCall(Record):
-    """One call of a watched ATen op: its name and its arguments by schema name."""
+@dataclass(frozen=True)
+class OpCall:
+    """One call of a watched ATen op: its name and its arguments by schema name, defaults filled in."""
 
-    __slots__ = ("op", "args")
     op: str
     args: dict[str, Any]
 
@@ -93,162 +85,38 @@ class OpCall(Record):
         return TensorInfo.of(self.args.get(name))
 
 
+@dataclass
 class Trace:
     """What happened when an op pair ran: the watched ATen calls, the results, and any exception."""
 
-    __slots__ = ("calls", "forward_result", "grads", "error", "raised")
-
-    def __init__(self) -> None:
-        self.calls: list[OpCall] = []
-        self.forward_result: Any = None
-        self.grads: tuple[Any, ...] | None = None
-        self.error: str | None = None
-        self.raised: type[BaseException] | None = None
+    calls: list[OpCall] = field(default_factory=list)
+    forward_result: Any = None
+    grads: tuple[Any, ...] | None = None
+    error: str | None = None
+    raised: type[BaseException] | None = None
 
     def first(self, op: str) -> OpCall | None:
         return next((c for c in self.calls if c.op == op), None)
 
-    def record(self, aten_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        """Note a call of a watched op and return the contract's answer.
 
-        Arguments are bound by schema name, defaults filled in: the dispatcher drops arguments equal to
-        their defaults before a dispatch mode sees them, so both ways of catching a call record the same.
-        """
+class _Recorder(TorchDispatchMode):
+    """Records the watched ops into a trace and answers them; runs everything else."""
+
+    def __init__(self, trace: Trace) -> None:
+        super().__init__()
+        self.trace = trace
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        aten_name = func.__name__.partition(".")[0]
+        if aten_name not in _WATCHED:
+            return func(*args, **(kwargs or {}))
+        schema = func._schema.arguments
+        bound = {arg.name: arg.default_value for arg in schema if arg.has_default_value()}
+        bound.update(zip((arg.name for arg in schema), args, strict=False))  # trailing defaults left out
+        bound.update(kwargs or {})
         op = _WATCHED[aten_name]
-        params, defaults = _schema_params(aten_name)
-        bound = dict(defaults)
-        bound.update(zip(params, args))
-        for name in params[len(args) :]:
-            if name in kwargs:
-                bound[name] = kwargs[name]
-        # Keep the tensors themselves: TensorInfo is taken by the readers, and they are tiny.
-        self.calls.append(OpCall(op, bound))
+        self.trace.calls.append(OpCall(op, bound))
         return _answer(op, bound)
-
-
-_params: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {}
-
-
-def _schema_params(aten_name: str) -> tuple[tuple[str, ...], dict[str, Any]]:
-    """The watched op's parameter names in schema order, and its defaults (read once from torch)."""
-    found = _params.get(aten_name)
-    if found is None:
-        arguments = getattr(torch.ops.aten, aten_name).default._schema.arguments
-        names = tuple(arg.name for arg in arguments)
-        defaults = {arg.name: arg.default_value for arg in arguments if arg.has_default_value()}
-        found = _params[aten_name] = (names, defaults)
-    return found
-
-
-# Fast path: a view of torch for the check's copies of the ops.
-
-
-class _RecordedOp:
-    """Stands in for one watched ``torch.ops.aten`` op (and its ``.default`` overload) in the copies."""
-
-    __slots__ = ("_trace", "_aten_name", "default")
-
-    def __init__(self, trace: Trace, aten_name: str) -> None:
-        self._trace = trace
-        self._aten_name = aten_name
-        self.default = self
-
-    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
-        return self._trace.record(self._aten_name, args, kwargs)
-
-
-class _View:
-    """``target`` with some attributes replaced: what the copies see as ``torch``, ``torch.ops``, ``torch.ops.aten``."""
-
-    def __init__(self, target: Any, replaced: dict[str, Any]) -> None:
-        self.__dict__.update(replaced)
-        self._target = target
-
-    def __getattr__(self, name: str) -> Any:  # only called for what is not replaced
-        return getattr(self._target, name)
-
-
-def _torch_view(trace: Trace) -> _View:
-    """torch, except that ``torch.ops.aten``'s watched ops record into ``trace``."""
-    aten = _View(torch.ops.aten, {name: _RecordedOp(trace, name) for name in _WATCHED})
-    return _View(torch, {"ops": _View(torch.ops, {"aten": aten})})
-
-
-def _reaches_ops(code: types.CodeType) -> bool:
-    """Whether ``code`` (or code nested in it) reads an attribute or global named ``ops``."""
-    if "ops" in code.co_names:
-        return True
-    return any(isinstance(c, types.CodeType) and _reaches_ops(c) for c in code.co_consts)
-
-
-def _intercepting(fn: Any, view: _View, namespaces: dict[int, dict[str, Any]], depth: int = 0) -> Any:
-    """``fn`` as a copy that sees ``view`` for torch, if it reaches ``torch.ops``; wrappers are followed
-    through their closures (a guard around the forward op holds the op it calls in a cell). ``fn`` itself
-    is untouched; anything but a plain function is returned as is.
-    """
-    if not isinstance(fn, types.FunctionType) or depth > 8:
-        return fn
-    closure = fn.__closure__
-    if closure:
-        cells = []
-        for cell in closure:
-            try:
-                contents = cell.cell_contents
-            except ValueError:  # an empty cell
-                cells.append(cell)
-                continue
-            inner = _intercepting(contents, view, namespaces, depth + 1)
-            cells.append(cell if inner is contents else types.CellType(inner))
-        if all(new is old for new, old in zip(cells, closure)):
-            new_closure = closure
-        else:
-            new_closure = tuple(cells)
-    else:
-        new_closure = closure
-    globals_ = fn.__globals__
-    # torch under its own name only (diffusers' modules and ours): code reaching it under another name
-    # records nothing here, and the thorough path takes over.
-    if globals_.get("torch") is torch and _reaches_ops(fn.__code__):
-        namespace = namespaces.get(id(globals_))
-        if namespace is None:
-            namespace = namespaces[id(globals_)] = dict(globals_)
-            namespace["torch"] = view
-        globals_ = namespace
-    if globals_ is fn.__globals__ and new_closure is closure:
-        return fn
-    return _function_copy(fn, globals_, new_closure)
-
-
-def _function_copy(fn: types.FunctionType, globals_: dict[str, Any], closure: Any) -> types.FunctionType:
-    """``fn`` with other globals and closure cells; defaults and attributes kept."""
-    copy = types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, closure)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    copy.__dict__.update(fn.__dict__)
-    return copy
-
-
-# Thorough path: a dispatch mode, made on first use (creating the class costs the hook time it rarely needs).
-_recorder_class: type | None = None
-
-
-def _recorder(trace: Trace) -> Any:
-    global _recorder_class
-    if _recorder_class is None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class _Recorder(TorchDispatchMode):
-            def __init__(self, trace: Trace) -> None:
-                super().__init__()
-                self._trace = trace
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-                aten_name = func.__name__.partition(".")[0]
-                if aten_name in _WATCHED:
-                    return self._trace.record(aten_name, args, kwargs or {})
-                return func(*args, **(kwargs or {}))
-
-        _recorder_class = _Recorder
-    return _recorder_class(trace)
 
 
 class ProbeCtx:
@@ -258,6 +126,7 @@ class ProbeCtx:
     """
 
     needs_input_grad = (True,) * 12
+    saved_tensors: tuple[Any, ...] = ()
 
     def save_for_backward(self, *tensors: Any) -> None:
         self.saved_tensors = tensors
@@ -273,20 +142,11 @@ def training_parallel_config() -> Any:
 
 
 def _positional_params(fn: Any) -> tuple[tuple[str, ...], bool] | None:
-    """(positional parameter names, takes *args) of ``fn``, or None if it cannot be read.
-
-    Reads the code object (inspect.signature costs ~0.1 ms a call, the hook has 10 ms); falls back to
-    inspect for callables without one.
-    """
-    code = getattr(fn, "__code__", None)
-    if code is not None:
-        names = code.co_varnames[: code.co_argcount]
-        return tuple(names), bool(code.co_flags & inspect.CO_VARARGS)
+    """(positional parameter names, takes ``*args``) of ``fn`` (wrappers followed), or None if unreadable."""
     try:
-        sig = inspect.signature(fn)
+        params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return None
-    params = sig.parameters.values()
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     names = tuple(p.name for p in params if p.kind in positional)
     return names, any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
@@ -304,20 +164,20 @@ def backward_signature_ok(fn: Any) -> bool:
     return found is not None and found[0] == ("ctx", "grad_out") and found[1]
 
 
-# Traces of one apply() pass, keyed by the functions run: the fixes' checks and their verifications share
-# runs (a check is a pure function of the code it runs). None outside a pass: nothing is kept for later.
-_memo: dict[tuple[Any, ...], Trace] | None = None
+def check_mask(kind: str) -> torch.Tensor:
+    """A (B, 1, S_q, S_kv) mask with masked columns and one fully masked row (the last).
 
-
-@contextlib.contextmanager
-def shared_runs() -> Iterator[None]:
-    """Within this block, identical runs are made once (the caller holds the registry lock)."""
-    global _memo
-    _memo = {}
-    try:
-        yield
-    finally:
-        _memo = None
+    ``"bool"``: True = attend. ``"float32"``: the same as an additive fp32 mask (0 / -inf). ``"int64"``: the
+    bool mask as 0 / 1 integers.
+    """
+    keep = torch.ones(BATCH, 1, SEQ_Q, SEQ_KV, dtype=torch.bool)
+    keep[..., 1::2] = False
+    keep[..., -1, :] = False
+    if kind == "bool":
+        return keep
+    if kind == "int64":
+        return keep.to(torch.int64)
+    return torch.zeros(keep.shape, dtype=getattr(torch, kind)).masked_fill_(~keep, float("-inf"))
 
 
 def run_pair(
@@ -325,121 +185,35 @@ def run_pair(
     backward: Callable[..., Any] | None,
     *,
     return_lse: bool,
-    mask: str | None = None,
+    mask: torch.Tensor | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    key_dtype: torch.dtype | None = None,
 ) -> Trace:
     """Run ``forward`` (and ``backward`` on its output) on tiny CPU tensors and record the ATen calls.
 
-    ``mask``: None, or ``"bool"`` / ``"float32"`` for :func:`check_mask`'s mask. ``dtype``: of q, k, v.
-    Never raises: an exception becomes ``trace.error`` (the calls recorded before it are kept).
+    Called as diffusers' templated attention calls it in training. ``dtype``: of q (and k, v unless
+    ``key_dtype`` is given). Never raises: an exception becomes ``trace.error`` (the calls recorded before it
+    are kept).
     """
-    key = (forward, backward, return_lse, mask, dtype)
-    if _memo is not None and key in _memo:
-        return _memo[key]
-    trace = _run_pair(forward, backward, return_lse=return_lse, mask=mask, dtype=dtype)
-    if _memo is not None:
-        _memo[key] = trace
-    return trace
-
-
-_masks: dict[str, torch.Tensor] = {}
-
-
-def check_mask(kind: str) -> torch.Tensor:
-    """A (B, 1, S_q, S_kv) mask with masked columns and one fully masked row (the last); a fresh copy.
-
-    ``"bool"``: True = attend. ``"float32"``: the same as an additive fp32 mask (0 / -inf).
-    """
-    mask = _masks.get(kind)
-    if mask is None:
-        keep = torch.ones(BATCH, 1, SEQ_Q, SEQ_KV, dtype=torch.bool)
-        keep[..., 1::2] = False
-        keep[..., -1, :] = False
-        _masks["bool"] = keep
-        _masks["float32"] = torch.zeros(keep.shape, dtype=torch.float32).masked_fill_(~keep, float("-inf"))
-        mask = _masks[kind]
-    return mask.clone()  # the code under check may write to what it is given
-
-
-def _run_pair(
-    forward: Callable[..., Any],
-    backward: Callable[..., Any] | None,
-    *,
-    return_lse: bool,
-    mask: str | None,
-    dtype: torch.dtype,
-    thorough: bool | None = None,
-) -> Trace:
-    """One run. ``thorough``: None = fast path, thorough path where the fast one cannot vouch for its
-    record (see the module docstring); True / False = that path only (the tests compare the two)."""
-    if not thorough:
-        trace = Trace()
-        view = _torch_view(trace)
-        namespaces: dict[int, dict[str, Any]] = {}
-        fast_forward = _intercepting(forward, view, namespaces)
-        fast_backward = _intercepting(backward, view, namespaces) if backward is not None else None
-        _drive(trace, fast_forward, fast_backward, return_lse, mask, dtype, None)
-        if thorough is False or (not _unvouched(trace)):
-            return trace
     trace = Trace()
-    _drive(trace, forward, backward, return_lse, mask, dtype, _recorder(trace))
-    return trace
-
-
-def _unvouched(trace: Trace) -> bool:
-    """Whether a fast-path record may have missed a call: it raised (other than this package's refusal,
-    which is what a guard is for), or never reached a watched op."""
-    if trace.raised is not None:
-        return not issubclass(trace.raised, UnsafeAttentionError)
-    return not trace.calls
-
-
-def _drive(
-    trace: Trace,
-    forward: Callable[..., Any],
-    backward: Callable[..., Any] | None,
-    return_lse: bool,
-    mask: str | None,
-    dtype: torch.dtype,
-    mode: Any,
-) -> None:
-    """Call ``forward`` as diffusers' templated attention does in training, then ``backward`` on its output."""
     try:
-        q, k, v = _model_qkv(dtype)
-        attn_mask = check_mask(mask) if mask is not None else None
+        q = torch.empty(BATCH, SEQ_Q, HEADS, HEAD_DIM, dtype=dtype)
+        k, v = (torch.empty(BATCH, SEQ_KV, HEADS, HEAD_DIM, dtype=key_dtype or dtype) for _ in range(2))
         ctx = ProbeCtx()
         # no_grad: diffusers calls these ops inside autograd.Function.forward, where grad mode is off.
-        with torch.no_grad(), (mode if mode is not None else contextlib.nullcontext()):
+        with torch.no_grad(), _Recorder(trace):
             result = forward(
-                ctx,
-                q,
-                k,
-                v,
-                attn_mask,
-                0.0,
-                False,
-                None,
-                False,
-                return_lse,
-                _save_ctx=True,
-                _parallel_config=training_parallel_config(),
-            )
+                ctx, q, k, v, mask, 0.0, False, None, False, return_lse,
+                _save_ctx=True, _parallel_config=training_parallel_config(),
+            )  # fmt: skip
             trace.forward_result = result
             if backward is not None:
                 out = result[0] if isinstance(result, tuple) else result
-                grad_out = torch.empty(out.shape, dtype=out.dtype)
-                trace.grads = tuple(backward(ctx, grad_out))
+                trace.grads = tuple(backward(ctx, torch.empty(out.shape, dtype=out.dtype)))
     except Exception as exc:  # noqa: BLE001 - any failure is a finding, never a crash
         trace.error = f"{type(exc).__name__}: {exc}"
         trace.raised = type(exc)
-
-
-def _model_qkv(dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Model-layout (B, S, H, D) inputs as they reach the op inside CP attention (fresh, no grad)."""
-    q = torch.empty(BATCH, SEQ_Q, HEADS, HEAD_DIM, dtype=dtype)
-    k = torch.empty(BATCH, SEQ_KV, HEADS, HEAD_DIM, dtype=dtype)
-    v = torch.empty(BATCH, SEQ_KV, HEADS, HEAD_DIM, dtype=dtype)
-    return q, k, v
+    return trace
 
 
 def _answer(name: str, args: dict[str, Any]) -> tuple[Any, ...]:
@@ -534,19 +308,12 @@ def check_backward_layout(
     return Finding("ok", "q/k/v reach the backward kernel in the forward's (B, H, S, D) layout")
 
 
-def check_forward_lse(
-    forward: Callable[..., Any] | None,
-    backward: Callable[..., Any] | None,
-    *,
-    forward_op: str,
-    backward_op: str,
-) -> Finding:
+def check_forward_lse(forward: Callable[..., Any] | None, *, forward_op: str) -> Finding:
     """Is the log-sum-exp computed when a backward will follow, while the caller gets what it asked for?"""
     if forward is None:
         return Finding("absent", "the op does not exist in this diffusers")
     if not signature_matches(forward, FORWARD_PARAMS):
         return Finding("unknown", "the forward op's signature differs from every known release")
-    # Forward only: the flag reaching the kernel is the finding.
     trace = run_pair(forward, None, return_lse=False)
     fwd = trace.first(forward_op)
     if fwd is None:
@@ -561,33 +328,17 @@ def check_forward_lse(
     want = (BATCH, SEQ_Q, HEADS, HEAD_DIM)
     if not isinstance(result, torch.Tensor) or tuple(result.shape) != want:
         return Finding("broken", f"asked for the output only, the forward returned {type(result).__name__}")
-    # With the backward too: the same run serves the backward-layout check of the pair.
-    with_lse = run_pair(forward, backward, return_lse=True).forward_result
+    with_lse = run_pair(forward, None, return_lse=True).forward_result
     if not (isinstance(with_lse, tuple) and len(with_lse) == 2):
         return Finding("unknown", "asked for (out, lse), the forward returned something else")
     return Finding("ok", "the log-sum-exp is computed whenever the autograd context is saved for a backward")
 
 
-_lse_ndim: int | None = None
-
-
 def cudnn_lse_ndim() -> int:
-    """Dims of the log-sum-exp the running torch's cuDNN kernels produce and take.
-
-    4, (B, H, S, 1), from torch 2.9 on; 3, (B, H, S), before (h200-facts.md). Read off the torch release:
-    asking the op's meta kernel costs 1-2 ms on first use (and, before anything else loaded torch's meta
-    registrations, hundreds), too much for the hook. ``tests/test_detect.py`` checks the rule against the
-    meta kernel of the torch in use, and the GPU probe runs the real kernels with this value.
-    """
-    global _lse_ndim
-    if _lse_ndim is None:
-        release = torch.__version__.split("+")[0].split(".")[:2]
-        try:
-            major, minor = int(release[0]), int("".join(c for c in release[1] if c.isdigit()) or 0)
-        except (IndexError, ValueError):  # an unreadable version: assume a current torch
-            major, minor = 2, 9
-        _lse_ndim = 4 if (major, minor) >= (2, 9) else 3
-    return _lse_ndim
+    """Dims of the log-sum-exp the running torch's cuDNN kernels produce and take: 4, (B, H, S, 1), from
+    torch 2.9 on; 3, (B, H, S), before (docs/kernel-facts.md). ``tests/test_detect.py`` checks the rule against
+    the meta kernel of the torch in use, and the GPU probe runs the real kernels with this value."""
+    return 4 if Version(torch.__version__).release[:2] >= (2, 9) else 3
 
 
 def with_globals(fn: Callable[..., Any], **overrides: Any) -> Callable[..., Any]:
@@ -596,9 +347,12 @@ def with_globals(fn: Callable[..., Any], **overrides: Any) -> Callable[..., Any]
     Lets the checks of the templated context-parallel classes run their backward in one process with
     stand-in collectives, without touching ``torch.distributed`` or diffusers' module.
     """
-    namespace = dict(fn.__globals__)
-    namespace.update(overrides)
-    return _function_copy(fn, namespace, fn.__closure__)
+    assert isinstance(fn, types.FunctionType)
+    copy = types.FunctionType(
+        fn.__code__, {**fn.__globals__, **overrides}, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
 
 
 #: Stands in for a DeviceMesh in the class checks: the stand-in collectives ignore the group.

@@ -1,8 +1,10 @@
 """The post-import hook on ``diffusers.models.attention_dispatch``.
 
 wrapt fires the hook right after the module is first imported, or at once if it already was, so the
-import order of diffusers and this package does not matter. Nothing raised in here reaches the host's
-import: a failure becomes a warning, and diffusers is left as shipped.
+import order of diffusers and this package does not matter. The hook checks and patches on the importing
+thread and does no GPU work; it also imports the GPU probe and points the corrected ops at it, so that
+nothing they call later (on autograd's threads too) has a module left to import. Nothing raised in here
+reaches the host's import: a failure becomes a warning, and diffusers is left as shipped.
 """
 
 from __future__ import annotations
@@ -11,27 +13,29 @@ import sys
 import threading
 from types import ModuleType
 
-from . import _config
+from . import _switches
 from ._warnings import FixNotAppliedWarning, report
 
-MODULE_NAME = _config.MODULE_NAME
+MODULE_NAME = _switches.MODULE_NAME
 
-_armed = False
-_arm_lock = threading.Lock()
+_lock = threading.Lock()
+_registered = False
+_active = False  # revert() before diffusers' import disarms the hook; apply() re-arms it
 # Whether diffusers' module was imported before us. Only then can other modules already hold the shipped
-# ops (``from ... import``), so only then is the reference scan worth its millisecond or two.
+# ops (``from ... import``), so only then is the reference scan needed.
 _late = False
 
 
 def arm() -> None:
-    """Register the hook once per process, unless the package is switched off. Never raises."""
-    global _armed, _late
-    if not _config.enabled():
+    """Register the hook once per process (unless the package is switched off) and let it patch. Never raises."""
+    global _registered, _active, _late
+    if not _switches.enabled():
         return
-    with _arm_lock:
-        if _armed:
+    with _lock:
+        _active = True
+        if _registered:
             return
-        _armed = True
+        _registered = True
         _late = MODULE_NAME in sys.modules
     try:
         import wrapt
@@ -45,24 +49,38 @@ def arm() -> None:
         )
 
 
+def disarm() -> None:
+    """A later import of diffusers' module patches nothing (until :func:`arm`)."""
+    global _active
+    _active = False
+
+
+def armed() -> bool:
+    return _active
+
+
+def install_prober() -> None:
+    """Point the corrected ops at the GPU probe (importing it here, on the patching thread)."""
+    from . import _devices, _probe
+
+    _devices.set_prober(_probe.maybe_probe)
+
+
 def on_import(module: ModuleType) -> None:
     """Check and patch ``module``. Never raises."""
+    if not _active:
+        return
     try:
         from ._registry import apply_to
 
         apply_to(module, scan_references=_late)
-        # The GPU probe runs now only if CUDA is up already; else at a corrected op's first CUDA call.
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():
-            from ._probe import after_patch
-
-            after_patch()
+        install_prober()
     except Exception as exc:  # noqa: BLE001 - leave diffusers as shipped and say so
         try:
             from ._registry import revert
 
             revert()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001, S110 - already reporting the first failure
             pass
         report(
             f"diffusers_cudnn_fix: internal error while checking diffusers ({type(exc).__name__}: {exc}); "

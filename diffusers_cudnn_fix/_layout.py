@@ -1,40 +1,33 @@
-"""Small tensor-layout helpers shared by the corrected ops, and their trigger of the GPU probe.
+"""Tensor-layout helpers shared by the corrected ops.
 
-Everything here runs on the training hot path and under ``torch.compile``: plain tensor code, no logging,
-no warnings, no Python state that changes after the fixes are applied.
+Everything here runs on the training hot path, on autograd's threads and under ``torch.compile``: plain
+tensor code, no logging, no warnings, no imports.
 
 Layouts: diffusers hands its attention ops tensors in *model layout* (B, S, H, D); the ATen SDPA kernels
-take *kernel layout* (B, H, S, D), needing only a unit stride in the last dimension.
+take *kernel layout* (B, H, S, D), needing only a unit stride in the last dimension (docs/kernel-facts.md).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-
-#: Whether the corrected cuDNN forward may hand the kernel strided (B, H, S, D) views of the (B, S, H, D)
-#: tensors instead of dense copies. The ops need only a unit last-dim stride, and on an H200 the views gave
-#: the same gradients as the copies while saving their cost (forward 0.47 -> 0.35 ms at B=1 S=4096 H=24
-#: D=128); but diffusers notes that non-contiguous inputs once gave wrong results. So it stays off until
-#: the GPU probe has verified views on the device in use (``_probe.py``), and the probe turns it on.
-zero_copy = False
-
-
-def maybe_probe(tensor: torch.Tensor) -> None:
-    """The GPU probe's trigger in the corrected ops (``_probe.maybe_probe``): at once back on CPU tensors and
-    while ``torch.compile`` traces; ``_probe`` is imported at the first call on a CUDA tensor, not by the
-    import hook, which has a 10 ms budget and no GPU work to do."""
-    if torch.compiler.is_compiling() or tensor.device.type != "cuda":
-        return
-    from . import _probe
-
-    _probe.maybe_probe(tensor)
+from . import _devices
 
 
 def to_kernel_layout(x: torch.Tensor) -> torch.Tensor:
-    """(B, S, H, D) -> (B, H, S, D): a view where the probe verified views, else a dense copy (as shipped)."""
+    """(B, S, H, D) -> (B, H, S, D): a strided view where the GPU probe verified views on ``x``'s device and
+    the last dimension has unit stride; else a dense copy, as the shipped ops make."""
     x = x.transpose(1, 2)
-    return x if zero_copy else x.contiguous()
+    if (
+        x.device.type == "cuda"
+        and not torch.compiler.is_compiling()
+        and x.stride(-1) == 1
+        and _devices.zero_copy_allowed(x.device)
+    ):
+        return x
+    return x.contiguous()
 
 
 def to_model_layout(x: torch.Tensor) -> torch.Tensor:
@@ -45,9 +38,9 @@ def to_model_layout(x: torch.Tensor) -> torch.Tensor:
 def with_strides_of(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``grad`` laid out with exactly ``like``'s strides.
 
-    The cuDNN backward must get ``grad_out`` with ``out``'s strides: on torch 2.11 a backward whose dO
-    strides differed from an earlier call at the same shapes silently returned wrong gradients (its graph
-    cache key ignores dO strides). One copy when the strides differ, none when they already match.
+    The cuDNN backward must get ``grad_out`` with ``out``'s strides: its graph cache key ignores them, so a
+    call whose strides differ from an earlier one at the same shapes returns wrong gradients. One copy when
+    the strides differ, none when they already match.
     """
     if grad.stride() == like.stride():
         return grad
@@ -55,7 +48,7 @@ def with_strides_of(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def backward_may_follow(ctx: object) -> bool:
-    """Whether the autograd context this op saves into will see a backward.
+    """Whether the autograd context this op saves into will see a backward for q, k or v.
 
     diffusers calls the op inside ``autograd.Function.forward`` (grad mode off, fresh tensors), so
     ``requires_grad`` on q/k/v says nothing; the Function's ``needs_input_grad`` does. A context without
@@ -85,7 +78,7 @@ def lse_with_ndim(lse: torch.Tensor, ndim: int) -> torch.Tensor:
 _PER_STEP_NAMES = ("query", "key", "value", "out", "lse")
 
 
-def reject_per_step_tensors(kwargs: dict, fix_id: str) -> None:
+def reject_per_step_tensors(kwargs: dict[str, Any], fix_id: str) -> None:
     """Raise if a caller hands the backward per-step tensors (diffusers >= 0.40's ring attention does).
 
     The corrected backward ops exist for releases <= 0.39, whose callers never pass these; a build that does

@@ -6,42 +6,35 @@ replacement?), so a reload of diffusers' module or someone else's patch cannot l
 
 from __future__ import annotations
 
-import bisect
 import sys
 import threading
 from collections.abc import Iterator
-from types import FunctionType, ModuleType
+from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from . import _config, _detect
-from ._fix import Finding, Fix, Record, release_table_lists
-from ._warnings import (
-    FixNotAppliedWarning,
-    ReleaseTableMismatchWarning,
-    StaleReferenceWarning,
-    logger,
-    report,
-)
+from . import _switches
+from ._fix import Finding, Fix, release_table_lists
+from ._warnings import FixNotAppliedWarning, ReleaseTableMismatchWarning, StaleReferenceWarning, logger, report
 
 if TYPE_CHECKING:
     from ._report import Report
 
-MODULE_NAME = _config.MODULE_NAME
+MODULE_NAME = _switches.MODULE_NAME
 
-# Never hold diffusers' private ops: skipping them keeps the reference scan to a millisecond or two.
+# Never hold diffusers' private ops: the reference scan skips them.
 _SCAN_SKIP = frozenset({"torch", "diffusers_cudnn_fix"}) | frozenset(getattr(sys, "stdlib_module_names", ()))
 
 
-class _Record(Record):
+@dataclass(frozen=True)
+class _Record:
     """What ``apply`` found and did for one fix."""
 
-    __slots__ = ("finding", "reason", "skipped", "installed", "seen")
-    _defaults = {"skipped": False, "installed": False, "seen": ()}
     finding: Finding  # what the check found on the code as it was before we touched it
     reason: str
-    skipped: bool
-    installed: bool  # whether apply() put the fix in (it may have been taken out since)
-    seen: tuple[Any, ...]  # the objects at the fix's targets when it was checked and left alone
+    skipped: bool = False
+    installed: bool = False  # whether apply() put the fix in (it may have been taken out since)
+    seen: tuple[Any, ...] = ()  # the objects at the fix's targets when it was checked and left alone
 
 
 class _State:
@@ -57,7 +50,6 @@ class _State:
         self.rebound: list[tuple[str, str, Any, Any]] = []  # (module name, global name, original, ours)
         self.stale: list[str] = []
         self.announced = False
-        self.scan = "not run"  # what the last reference scan did (for tests and benchmarks)
         self.mismatches_reported: set[str] = set()
 
 
@@ -65,9 +57,23 @@ _state = _State()
 
 
 def _fixes() -> tuple[Fix, ...]:
-    from .fixes import ALL_FIXES
-
+    """Every fix, in order; none where torch is not installed (then there is nothing to check or fix)."""
+    try:
+        from .fixes import ALL_FIXES
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        return ()
     return ALL_FIXES
+
+
+def torch_missing() -> bool:
+    return not _fixes()
+
+
+def _skip_spellings() -> dict[str, str]:
+    """Every spelling ``DIFFUSERS_CUDNN_FIX_SKIP`` accepts (ids and old ids) -> the fix id."""
+    return {name: fix.id for fix in _fixes() for name in (fix.id, *fix.old_ids)}
 
 
 def _diffusers_version() -> str | None:
@@ -128,7 +134,7 @@ def _take_out(module: ModuleType, fix_ids: set[str]) -> None:
     changed = True
     while changed:
         changed = False
-        for target, owners in _state.owners.items():
+        for owners in _state.owners.values():
             if doomed.intersection(owners) and not doomed.issuperset(owners):
                 doomed.update(owners)
                 changed = True
@@ -169,18 +175,17 @@ def apply_to(module: ModuleType, *, scan_references: bool = True) -> None:
     skips it when it fires on the module's first import, when nobody can hold one yet.
     """
     with _state.lock:
-        if not _config.enabled():
+        if not _switches.enabled():
             return
         _forget_stale(module)
-        skipped = _config.skipped_fixes()
+        skipped = _switches.skipped_fixes(_skip_spellings())
         newly: list[str] = []
         try:
-            with _detect.shared_runs():
-                for fix in _fixes():
-                    if _applied(module, fix) or _checked_unchanged(module, fix):
-                        continue  # an earlier apply() installed it, or checked these very objects
-                    if _apply_one(module, fix, skip=fix.id in skipped):
-                        newly.append(fix.id)
+            for fix in _fixes():
+                if _applied(module, fix) or _checked_unchanged(module, fix):
+                    continue  # an earlier apply() installed it, or checked these very objects
+                if _apply_one(module, fix, skip=fix.id in skipped):
+                    newly.append(fix.id)
         except BaseException:
             _take_out(module, set(newly))  # nothing half-applied: take out what this call put in
             raise
@@ -193,7 +198,7 @@ def _checked_unchanged(module: ModuleType, fix: Fix) -> bool:
     record = _state.records.get(fix.id)
     if record is None or record.installed or record.skipped or not record.seen:
         return False
-    return all(raw_get(module, t) is obj for t, obj in zip(fix.targets, record.seen))
+    return all(raw_get(module, t) is obj for t, obj in zip(fix.targets, record.seen, strict=True))
 
 
 def _apply_one(module: ModuleType, fix: Fix, *, skip: bool) -> bool:
@@ -203,11 +208,11 @@ def _apply_one(module: ModuleType, fix: Fix, *, skip: bool) -> bool:
     finding = fix.check(lookup)
     if skip:
         # Checked all the same, so that the report says whether skipping leaves a bug in place.
-        _state.records[fix.id] = _Record(finding, f"skipped by {_config.SKIP_VAR}", skipped=True)
+        _state.records[fix.id] = _Record(finding, f"skipped by {_switches.SKIP_VAR}", skipped=True)
         if finding.state == "broken":
             report(
                 f"diffusers_cudnn_fix: '{fix.id}' ({fix.title}) is broken in the installed diffusers and "
-                f"left unfixed because {_config.SKIP_VAR} names it.",
+                f"left unfixed because {_switches.SKIP_VAR} names it.",
                 FixNotAppliedWarning,
             )
         return False
@@ -247,23 +252,10 @@ def _apply_one(module: ModuleType, fix: Fix, *, skip: bool) -> bool:
 
 def _module_namespaces(skip: ModuleType) -> Iterator[tuple[str, dict[str, Any]]]:
     """Namespaces of diffusers' own modules and of the user's code: third-party packages are skipped."""
-    # With torch, sympy and friends loaded, sys.modules holds thousands of entries, and even a trivial
-    # Python-level look at each costs milliseconds. So the names are sorted (in C) and each top-level
-    # package is decided once and, if skipped, jumped over whole: "pkg" and every "pkg.*" sort before
-    # "pkg/" ("." < "/", and "/" sorts before any character a module name can continue with).
-    modules = sys.modules
-    names = sorted(modules)  # one C-level snapshot of the keys
-    i = 0
-    while i < len(names):
-        top = names[i].partition(".")[0]
-        end = bisect.bisect_left(names, top + "/", i)
-        if _scanned_package(top):
-            for name in names[i:end]:
-                mod = modules.get(name)
-                namespace = getattr(mod, "__dict__", None) if mod is not None and mod is not skip else None
-                if isinstance(namespace, dict):
-                    yield name, namespace
-        i = max(end, i + 1)
+    for name, mod in list(sys.modules.items()):
+        namespace = getattr(mod, "__dict__", None) if mod is not None and mod is not skip else None
+        if isinstance(namespace, dict) and _scanned_package(name.partition(".")[0]):
+            yield name, namespace
 
 
 def _scanned_package(top: str) -> bool:
@@ -271,8 +263,7 @@ def _scanned_package(top: str) -> bool:
         return True
     if top in _SCAN_SKIP:
         return False
-    top_module = sys.modules.get(top)
-    namespace = getattr(top_module, "__dict__", None)
+    namespace = getattr(sys.modules.get(top), "__dict__", None)
     # Read the namespace, not the attribute: a lazy module's __getattr__ must not run (it may import).
     path = (namespace.get("__file__") if isinstance(namespace, dict) else None) or ""
     return not ("site-packages" in path or "dist-packages" in path)
@@ -281,107 +272,27 @@ def _scanned_package(top: str) -> bool:
 def _rebind_references(module: ModuleType) -> None:
     """Rebind module globals that still hold a shipped op (``from ... import _cudnn_..._op`` copies)."""
     # Module-level functions only: a class attribute's staticmethod object is never imported elsewhere.
-    targets = [t for t, orig in _state.originals.items() if orig is not None and "." not in t]
-    if not targets:
+    by_id = {id(orig): t for t, orig in _state.originals.items() if orig is not None and "." not in t}
+    if not by_id:
         return
-    # Walking sys.modules costs a millisecond or more (thousands of entries with torch loaded, more with
-    # every library a training script adds); counting references costs microseconds and in the common case
-    # (nobody imported a private op by name) shows there is nothing to find.
-    if not any(_held_elsewhere(t) for t in targets):
-        _state.scan = "not needed: nothing outside diffusers_cudnn_fix holds a shipped op"
-        return
-    by_id = {id(_state.originals[t]): t for t in targets}
-    scanned = 0
     for mod_name, namespace in _module_namespaces(module):
-        scanned += 1
-        if by_id.keys().isdisjoint(map(id, namespace.values())):
-            continue  # the common case, decided without a Python-level loop over the namespace
         for global_name, value in list(namespace.items()):
-            attr = by_id.get(id(value))
-            if attr is None or value is not _state.originals[attr]:
+            target = by_id.get(id(value))
+            if target is None or value is not _state.originals[target]:
                 continue
             try:
-                namespace[global_name] = _state.installed[attr]
+                namespace[global_name] = _state.installed[target]
             except Exception:  # noqa: BLE001 - a read-only namespace: say so instead
                 ref = f"{mod_name}.{global_name}"
                 _state.stale.append(ref)
                 report(
-                    f"diffusers_cudnn_fix: {ref} holds the shipped {attr} and could not be rebound; "
+                    f"diffusers_cudnn_fix: {ref} holds the shipped {target} and could not be rebound; "
                     "calls through it still use the buggy op.",
                     StaleReferenceWarning,
                 )
                 continue
-            _state.rebound.append((mod_name, global_name, value, _state.installed[attr]))
-            logger.info("rebound %s.%s to the corrected %s", mod_name, global_name, attr)
-    left = [t for t in targets if _held_elsewhere(t)]
-    if left:
-        # A third-party package's global, a list, a closure, a debugger's frame: nothing to rebind by name.
-        logger.info(
-            "diffusers_cudnn_fix: references to the shipped %s remain outside the scanned modules (in an "
-            "installed package, a container, a closure); calls through them run the shipped code",
-            ", ".join(left),
-        )
-    _state.scan = f"scanned {scanned} modules" + (f"; still referenced elsewhere: {', '.join(left)}" if left else "")
-
-
-def _refcounts_are_exact() -> bool:
-    """Whether ``sys.getrefcount`` counts every strong reference: CPython built with the GIL. (A
-    free-threaded build counts some references lazily; other interpreters have no reference counts.) Read
-    off ``sys``: ``sysconfig.get_config_var`` may build its whole table on first use, milliseconds."""
-    return (
-        sys.implementation.name == "cpython"
-        and "free-threading" not in sys.version  # "3.13.1 experimental free-threading build (...)"
-        and "t" not in getattr(sys, "abiflags", "")  # "t": the free-threaded ABI
-    )
-
-
-def _refcount(holder: dict[str, Any], key: str) -> int:
-    """``sys.getrefcount`` of ``holder[key]`` as seen from a frame holding nothing else of it."""
-    return sys.getrefcount(holder[key])
-
-
-def _held_elsewhere(target: str) -> bool:
-    """Whether anything but this package may hold the shipped op at ``target`` (True when unsure).
-
-    Its reference count, less the references this package holds (counted one by one, never assumed) and
-    less what the count itself adds (measured on an object held by one dict entry, read the same way).
-    diffusers' module no longer holds it: our replacement sits there. Anything left over is someone
-    else's: another module's global, a list, a closure. Counting too few of our own only costs a scan.
-    """
-    if not _refcounts_are_exact():
-        return True
-    baseline = _refcount({target: object()}, target)
-    total = _refcount(_state.originals, target)
-    return total - baseline - _own_references(_state.originals[target]) != 0
-
-
-def _own_references(obj: Any) -> int:
-    """References to ``obj`` held by this package besides ``_state.originals``: check records that kept
-    it, rebound entries, and the closure cells and attributes (``__wrapped__``) of our installed objects."""
-    count = sum(seen is obj for record in _state.records.values() for seen in record.seen)
-    count += sum(entry[2] is obj for entry in _state.rebound)
-    pending = [callable_of(installed) for installed in _state.installed.values()]
-    visited: set[int] = set()
-    while pending:
-        fn = pending.pop()
-        if not isinstance(fn, FunctionType) or id(fn) in visited:
-            continue
-        visited.add(id(fn))
-        for cell in fn.__closure__ or ():
-            try:
-                contents = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if contents is obj:
-                count += 1
-            else:
-                pending.append(contents)
-        for value in fn.__dict__.values():
-            if value is obj:
-                count += 1
-            else:
-                pending.append(value)
-    return count
+            _state.rebound.append((mod_name, global_name, value, _state.installed[target]))
+            logger.info("rebound %s.%s to the corrected %s", mod_name, global_name, target)
 
 
 def _announce(newly: list[str]) -> None:
@@ -403,14 +314,17 @@ def _announce(newly: list[str]) -> None:
         else:
             continue
         _state.mismatches_reported.add(fix.id)
-        report(f"diffusers_cudnn_fix: the release table says diffusers {version} {message}.", ReleaseTableMismatchWarning)
+        report(
+            f"diffusers_cudnn_fix: the release table says diffusers {version} {message}.", ReleaseTableMismatchWarning
+        )
     if newly:
         logger.info("diffusers_cudnn_fix: diffusers %s: applied %s", version, ", ".join(newly))
     if not _state.announced:
         corrections = [f for f in _fixes() if f.kind == "correction"]
         states = {f.id: _state.records[f.id].finding.state for f in corrections if f.id in _state.records}
         if len(states) == len(corrections) and set(states.values()) <= {"ok", "absent"}:
-            guards = [f.id for f in _fixes() if f.kind == "guard" and _applied(_state.module, f)]
+            module = _state.module
+            guards = [f.id for f in _fixes() if f.kind == "guard" and module is not None and _applied(module, f)]
             logger.info(
                 "diffusers_cudnn_fix: diffusers %s needs none of the gradient corrections (%s); the package can be "
                 "removed for them.%s",
@@ -430,7 +344,9 @@ def revert() -> Report:
                 if _ours(module, target):
                     _raw_set(module, target, original)
                 else:
-                    logger.warning("%s.%s was changed by someone else since we patched it; left as is", MODULE_NAME, target)
+                    logger.warning(
+                        "%s.%s was changed by someone else since we patched it; left as is", MODULE_NAME, target
+                    )
             for mod_name, global_name, original, ours in _state.rebound:
                 namespace = getattr(sys.modules.get(mod_name), "__dict__", None)
                 if isinstance(namespace, dict) and namespace.get(global_name) is ours:
@@ -471,16 +387,15 @@ def status() -> Report:
     from ._report import FixStatus, Report
 
     with _state.lock:
-        enabled = _config.enabled()
+        enabled = _switches.enabled()
         module = sys.modules.get(MODULE_NAME)
         version = _diffusers_version()
-        torch_mod = sys.modules.get("torch")
         fixes = []
         for fix in _fixes():
             record = _state.records.get(fix.id) if module is not None and module is _state.module else None
             applied = module is not None and _applied(module, fix)
             if not enabled and not applied:
-                detected, reason = "disabled", f"package switched off by {_config.ENABLE_VAR}"
+                detected, reason = "disabled", f"package switched off by {_switches.ENABLE_VAR}=0"
             elif record is None:
                 detected, reason = "pending", f"{MODULE_NAME} not imported (or not checked) yet"
             else:
@@ -501,6 +416,12 @@ def status() -> Report:
                     reason=reason,
                 )
             )
+        torch_mod = sys.modules.get("torch")
+        probes: tuple[Any, ...] = ()
+        if fixes and torch_mod is not None:
+            from . import _devices
+
+            probes = _devices.results()
         return Report(
             enabled=enabled,
             diffusers_version=version,
@@ -508,4 +429,6 @@ def status() -> Report:
             module_loaded=module is not None,
             fixes=tuple(fixes),
             stale_references=tuple(_state.stale),
+            probes=probes,
+            problem="torch is not installed: there is nothing to check or fix" if not fixes else None,
         )

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any, NamedTuple
 
-from . import _config
-
-MODULE_NAME = _config.MODULE_NAME
+from ._switches import ENABLE_VAR, MODULE_NAME
 
 
 class FixStatus(NamedTuple):
@@ -14,7 +13,7 @@ class FixStatus(NamedTuple):
 
     Attributes:
         expected: whether the release table lists the installed diffusers version as affected (None when
-            the version is unknown).
+            the version is unknown or a pre-release).
         detected: what the behavioural check found on the shipped code: broken / ok / absent / unknown /
             disabled (package switched off) / pending (module not imported yet). A fix named in
             ``DIFFUSERS_CUDNN_FIX_SKIP`` is still checked; its reason says it was skipped.
@@ -33,7 +32,10 @@ class FixStatus(NamedTuple):
 
     @property
     def needs_attention(self) -> bool:
-        """The bug is (or may be) there and is not fixed."""
+        """The bug is (or may be) there and is not fixed; or the package is switched off on a release the
+        table lists as carrying it."""
+        if self.detected == "disabled":
+            return self.expected is True
         return self.detected in ("broken", "unknown") and not self.applied
 
 
@@ -46,11 +48,13 @@ class Report(NamedTuple):
     module_loaded: bool
     fixes: tuple[FixStatus, ...]
     stale_references: tuple[str, ...] = ()
-    probes: tuple[Any, ...] = ()  # probe.ProbeResult per CUDA device probed in this process
+    probes: tuple[Any, ...] = ()  # a ProbeResult per CUDA device probed in this process
+    problem: str | None = None  # why nothing could be checked (torch missing)
 
     @property
     def ok(self) -> bool:
-        """Every bug the checks found is fixed and no GPU probe failed (vacuously true before import)."""
+        """Every bug found is fixed, the package is not switched off where the release needs it, and no GPU
+        probe failed (vacuously true before diffusers' module is imported)."""
         return not any(f.needs_attention for f in self.fixes) and not any(p.state == "failed" for p in self.probes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -58,16 +62,19 @@ class Report(NamedTuple):
         data = self._asdict()
         data["fixes"] = [f._asdict() | {"needs_attention": f.needs_attention} for f in self.fixes]
         data["stale_references"] = list(self.stale_references)
-        data["probes"] = [p.as_dict() for p in self.probes]
+        data["probes"] = [asdict(p) for p in self.probes]
         data["ok"] = self.ok
         return data
 
     def __str__(self) -> str:
+        state = "enabled" if self.enabled else f"SWITCHED OFF by {ENABLE_VAR}"
         lines = [
-            f"diffusers_cudnn_fix: {'enabled' if self.enabled else 'DISABLED by ' + _config.ENABLE_VAR}",
+            f"diffusers_cudnn_fix: {state}",
             f"  diffusers {self.diffusers_version or '(not installed)'}, torch {self.torch_version or '(not loaded)'}",
         ]
-        if not self.module_loaded:
+        if self.problem:
+            lines.append(f"  {self.problem}")
+        if not self.module_loaded and self.fixes:
             lines.append(f"  {MODULE_NAME} not imported yet: fixes apply when it is")
         for f in self.fixes:
             expected = {True: "affected", False: "not affected", None: "unknown"}[f.expected]
@@ -79,5 +86,11 @@ class Report(NamedTuple):
             lines.append(f"  still holds a shipped function: {ref}")
         for p in self.probes:
             lines.append(f"  GPU probe {p.device}: {p.state} ({p.reason})")
-        lines.append(f"  verdict: {'OK' if self.ok else 'NOT SAFE: see the lines above'}")
+        if self.ok:
+            verdict = "OK"
+        elif not self.enabled:
+            verdict = f"NOT SAFE: the package is switched off ({ENABLE_VAR}=0) on a release that needs its fixes"
+        else:
+            verdict = "NOT SAFE: see the lines above"
+        lines.append(f"  verdict: {verdict}")
         return "\n".join(lines)

@@ -25,7 +25,7 @@ Public API: :func:`register`, :func:`is_registered`, :func:`strict_dtype`,
 :func:`strict_grad_out_strides`, :func:`lse_is_4d`, :data:`LSE_IS_4D`, :func:`reference_attention`,
 :func:`max_abs_error`.
 
-Facts mirrored here come from ``shared/reference/h200-facts.md`` (measured on an H200) and from
+Facts mirrored here come from ``docs/kernel-facts.md`` (measured on an H200) and from
 torch's own meta kernels (``torch/_meta_registrations.py``), which describe the output metadata of
 the CUDA kernels.
 """
@@ -74,7 +74,7 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 # Flash-style kernels evaluate the softmax as exp2(s * log2(e) - max). A score below
 # -finfo(float32).max / log2(e) (about -2.36e38) overflows to -inf there and the key counts as masked.
 # That is why an additive mask of finfo(bf16).min (-3.39e38) gives a fully masked row 0 on the H200
-# while -65504 does not (h200-facts.md); the stand-ins reproduce it (see _apply_exp2_overflow).
+# while -65504 does not (docs/kernel-facts.md); the stand-ins reproduce it (see _apply_exp2_overflow).
 _LOG2E = 1.4426950408889634
 
 
@@ -143,7 +143,7 @@ def strict_grad_out_strides(enabled: bool | None = None) -> bool:
 
     Default off: the cuDNN backward stand-in, given a ``grad_out`` whose strides differ from
     ``out``'s, reads ``grad_out``'s memory as if it had ``out``'s layout and so returns wrong
-    gradients (the real op caches its graph without dO strides in the key; see h200-facts.md).
+    gradients (the real op caches its graph without dO strides in the key; see docs/kernel-facts.md).
     When on, it raises ``RuntimeError`` instead.
     """
     state = _state()
@@ -401,7 +401,7 @@ def _alloc_with_matching_layout(query: torch.Tensor, shape: tuple[int, int, int,
 
     The output keeps query's memory order: for a (B, H, S, D)-shaped transpose view of (B, S, H, D)
     memory it comes back with strides [S*H*D, D, H*D, 1], so turning it back to (B, S, H, D) is free
-    (h200-facts.md). Callers that assume a contiguous output are exposed by this.
+    (docs/kernel-facts.md). Callers that assume a contiguous output are exposed by this.
     """
     if tuple(query.shape) == tuple(shape):
         return torch.empty_like(query)

@@ -2,7 +2,7 @@
 
 The stand-ins replace CUDA-only ATen ops in every other CPU test, so they are checked here against
 fp32 math SDPA (forward and backward) and against the behaviour of the real ops recorded in
-shared/reference/h200-facts.md, including the silent misbehaviours the stand-ins must reproduce.
+docs/kernel-facts.md, including the silent misbehaviours the stand-ins must reproduce.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from . import (
     cudnn_backward_kv,
     cudnn_bool_mask,
     cudnn_forward_lse,
-    cudnn_fp32_inputs,
+    cudnn_input_dtypes,
     flash_backward_kv,
     ring_backward,
     ulysses_grad_count,
@@ -22,8 +22,9 @@ ALL_FIXES: tuple[Fix, ...] = (
     cudnn_backward_kv.FIX,
     flash_backward_kv.FIX,
     ulysses_grad_count.FIX,
-    # Guards: wrappers around the (corrected) forward, and a refusal where no correction is offered.
+    # Guards: wrappers around the (corrected) forward (the input-dtype guard outermost), and a refusal where
+    # no correction is offered.
     cudnn_bool_mask.FIX,
-    cudnn_fp32_inputs.FIX,
+    cudnn_input_dtypes.FIX,
     ring_backward.FIX,
 )

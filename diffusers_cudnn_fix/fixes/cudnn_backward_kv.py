@@ -3,8 +3,8 @@
 Bug: ``_cudnn_attention_forward_op`` saves q, k, v already in kernel layout (B, H, S, D);
 ``_cudnn_attention_backward_op`` transposes k and v again (not q) before calling
 ``aten::_scaled_dot_product_cudnn_attention_backward``. With num_heads == seq_len the shapes still fit and
-the gradients are unrelated to the true ones (H200: dQ error 7.9 against magnitude 1.9); otherwise cuDNN
-raises "For group-query attention, number of heads for key and query must be a factor...".
+the gradients are unrelated to the true ones; otherwise cuDNN raises "For group-query attention, number of
+heads for key and query must be a factor..." (docs/kernel-facts.md).
 
 Releases: 0.36.0 to 0.39.0. Fixed upstream in 0.40.0 (huggingface/diffusers#14274); first reported with
 the fix proposed in huggingface/diffusers#14341.
@@ -39,12 +39,13 @@ LSE_MISSING = (
     "garbage gradients. Keep the 'cudnn_forward_lse' fix enabled (remove it from DIFFUSERS_CUDNN_FIX_SKIP)."
 )
 
-#: Dims of the log-sum-exp the running torch's cuDNN backward kernel takes: 4 from torch 2.9 on, else 3.
-#: Set when the fix is built (``_detect.cudnn_lse_ndim``).
-_lse_ndim = 4
+#: Dims of the log-sum-exp this torch's cuDNN backward kernel takes (4 from torch 2.9 on, else 3).
+LSE_NDIM = _detect.cudnn_lse_ndim()
 
 
-def cudnn_attention_backward_op(ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: Any):
+def cudnn_attention_backward_op(
+    ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """cuDNN attention backward for diffusers' templated attention, corrected.
 
     Takes ``grad_out`` in (B, S, H, D); returns (dq, dk, dv) in (B, S, H, D).
@@ -55,21 +56,21 @@ def cudnn_attention_backward_op(ctx: Any, grad_out: torch.Tensor, *args: Any, **
         # The real kernel accepts a missing log-sum-exp and returns garbage: stop here instead.
         raise RuntimeError(LSE_MISSING)
     grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        with_strides_of(grad_out.transpose(1, 2), out),
-        q,
-        k,
-        v,
-        out,
-        lse_with_ndim(lse, _lse_ndim),
-        philox_seed,
-        philox_offset,
-        ctx.attn_mask,
-        cum_seq_q,
-        cum_seq_k,
-        ctx.max_q,
-        ctx.max_k,
-        ctx.dropout_p,
-        ctx.is_causal,
+        grad_out=with_strides_of(grad_out.transpose(1, 2), out),
+        query=q,
+        key=k,
+        value=v,
+        out=out,
+        logsumexp=lse_with_ndim(lse, LSE_NDIM),
+        philox_seed=philox_seed,
+        philox_offset=philox_offset,
+        attn_bias=ctx.attn_mask,
+        cum_seq_q=cum_seq_q,
+        cum_seq_k=cum_seq_k,
+        max_q=ctx.max_q,
+        max_k=ctx.max_k,
+        dropout_p=ctx.dropout_p,
+        is_causal=ctx.is_causal,
         scale=ctx.scale,
     )
     return to_model_layout(grad_q), to_model_layout(grad_k), to_model_layout(grad_v)
@@ -85,8 +86,6 @@ def check(lookup: Lookup) -> Finding:
 
 
 def build(lookup: Lookup) -> Mapping[str, Any]:
-    global _lse_ndim
-    _lse_ndim = _detect.cudnn_lse_ndim()
     return {TARGET: cudnn_attention_backward_op}
 
 

@@ -1,70 +1,57 @@
 """A bool (or wrongly typed) attention mask is fed raw into cuDNN's additive-bias slot.
 
 Bug: the context-parallel cuDNN forward op passes ``attn_mask`` straight to
-``aten::_scaled_dot_product_cudnn_attention(attn_bias=...)``, which adds it to the scores without a dtype
-check: a bool mask becomes +0/+1 instead of masking, and a float mask of another dtype than q (an fp32
-mask with bf16 q) is read as q's dtype, i.e. garbage. H200, B=1 S=32 H=2: output error 1.94 with a bool
-mask; the same mask as an additive bf16 mask: 0.0045. The backward gets the same (wrong) bias.
+``aten::_scaled_dot_product_cudnn_attention(attn_bias=...)``, which checks no dtype: the kernel reads the
+mask's memory as q's dtype. A bool mask is read as half as many 2-byte numbers as it has bytes, so the
+kernel reads past its end (out of bounds: wrong results, or an illegal memory access that ends the CUDA
+context); a float mask of another dtype (fp32 with bf16 q) is read as garbage; an integer 0/1 mask cast to a
+bias adds +0/+1 instead of masking (docs/kernel-facts.md). The backward gets the same bias.
 
 Releases: every release with the op, 0.36.0 up to at least 0.42.1 (upstream issue
 huggingface/diffusers#14342, open as of 0.42.1).
 
-Detection: run the installed forward and backward with a bool mask, and with an fp32 mask against bf16 q,
-and read the bias reaching the kernels. A release that converts masks itself needs nothing.
+Detection: run the installed forward (and backward) with a bool mask, an fp32 mask against bf16 q and an
+integer mask, and read the bias reaching the kernels. A release that converts masks itself needs nothing.
 
-Replacement: a thin wrapper around the installed forward op (the shipped one or this package's) that acts
-when a mask reaches it, by mode (``DIFFUSERS_CUDNN_FIX_MASK`` or ``diffusers_cudnn_fix.set_mask_mode()``):
-
-* ``warn`` (default): pass the mask through unchanged and warn once per process, naming #14342, the call
-  site and the switch;
-* ``convert``: a bool mask becomes an additive mask in q's dtype (0 where True, ``-inf`` where False; a
-  fully masked row then gives 0, as with the bool mask in F.sdpa's math backend; PyTorch's own -65504
-  would give that row 0.54 and NaN gradients on cuDNN), a float mask is cast to q's dtype; the backward
-  reads the converted mask the forward saved;
-* ``error``: raise :class:`UnsafeAttentionError`.
+Replacement: a thin wrapper around the installed forward op. What it does with each mask, by mode
+(``DIFFUSERS_CUDNN_FIX_MASK`` or ``diffusers_cudnn_fix.set_mask_mode()``), is in docs/behaviour.md: in short,
+``convert`` (default) turns a bool mask into an additive mask in q's dtype (``-inf`` where False, so a fully
+masked row gives 0) and casts other float masks, ``warn`` passes them through as upstream does, ``error``
+raises; integer masks and masks that require grad raise in every mode.
 
 Revert: the object that was there before is put back (the registry keeps it).
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
+import threading
 import warnings
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from .. import _detect
-from .._config import MASK_VAR, mask_mode
+from .. import _detect, _switches
 from .._fix import Finding, Fix, Lookup
-from .._warnings import DiffusersCudnnFixWarning, UnsafeAttentionError, logger
+from .._warnings import MaskConvertedWarning, MaskMisreadWarning, UnsafeAttentionError, logger
 from ._forward_guard import guard_forward
 
 TARGET = "_cudnn_attention_forward_op"
 ISSUE = "huggingface/diffusers#14342"
 
-_mode = "warn"  # read by the wrapper at call time; set when the fix is built and by set_mask_mode()
-_warned = False
+MODE_EFFECTS = {
+    "convert": "bool masks become additive masks in q's dtype, other float masks are cast to it",
+    "warn": "bool and wrongly typed masks are passed through as diffusers does: the kernel misreads them "
+    "(a bool mask is read out of bounds)",
+    "error": "bool and wrongly typed masks raise UnsafeAttentionError",
+}
 
-
-class MaskMisreadWarning(DiffusersCudnnFixWarning):
-    """A bool or wrongly typed mask reached the cuDNN context-parallel op and was passed through."""
-
-
-@contextlib.contextmanager
-def _forced_mode(mode: str) -> Iterator[None]:
-    global _mode
-    saved, _mode = _mode, mode
-    try:
-        yield
-    finally:
-        _mode = saved
-
-
-def _misread(mask: torch.Tensor | None, query: torch.Tensor) -> bool:
-    return mask is not None and mask.dtype != query.dtype
+_forced = threading.local()  # .mode: set by the check on its own thread only
+_warned: set[type[Warning]] = set()
+# The last conversion: (the source mask, weakly; its version counter; the dtype; the converted mask). A mask
+# built once and reused by every layer is converted once.
+_last: tuple[weakref.ref[torch.Tensor], int, torch.dtype, torch.Tensor] | None = None
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -74,57 +61,83 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.to(dtype)
 
 
-_NOT_CALLERS = frozenset({"diffusers", "torch", "diffusers_cudnn_fix", "importlib", "contextlib", "functools"})
+def _converted(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    global _last
+    if torch.compiler.is_compiling():
+        return additive_mask(mask, dtype)
+    last = _last
+    if last is not None and last[0]() is mask and last[1] == mask._version and last[2] == dtype:
+        return last[3]
+    converted = additive_mask(mask, dtype)
+    _last = (weakref.ref(mask, _forget), mask._version, dtype, converted)
+    return converted
 
 
-def _call_site() -> tuple[str, int, str]:
-    """(file, line, module) of the first frame outside diffusers, torch and this package: the user's call."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if module.partition(".")[0] not in _NOT_CALLERS:
-            return frame.f_code.co_filename, frame.f_lineno, module
-        frame = frame.f_back
-    return "<unknown>", 0, "<unknown>"
+def _forget(_: object) -> None:
+    global _last
+    _last = None  # the source mask is gone: do not keep its conversion alive
 
 
-def _warn_once(mask: torch.Tensor, query: torch.Tensor) -> None:
-    global _warned
-    if _warned:
+def _warn_once(category: type[Warning], message: str) -> None:
+    if category in _warned or torch.compiler.is_compiling():
         return
-    _warned = True
-    filename, lineno, module = _call_site()
-    message = (
-        f"diffusers_cudnn_fix: a {mask.dtype} attention mask reached diffusers' context-parallel cuDNN op, "
-        f"which adds it to the scores as a {query.dtype} bias ({ISSUE}): attention outputs and gradients "
-        f"are wrong. Called from {filename}:{lineno}. Set {MASK_VAR}=convert to convert masks "
-        "(or =error to stop)."
-    )
+    _warned.add(category)
     logger.warning(message)
-    with contextlib.suppress(Warning):  # an "error" filter must not turn the warning into a crash
-        warnings.warn_explicit(message, MaskMisreadWarning, filename, lineno, module=module)
+    try:
+        warnings.warn(message, category, stacklevel=4)
+    except Warning:
+        pass  # an "error" filter must not turn a notice into a crash; it is logged above
 
 
 def mask_policy(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None
 ) -> torch.Tensor | None:
-    """Applies the mask mode to a bool or wrongly typed mask (see the module's docstring)."""
-    if not _misread(attn_mask, query):
+    """The mask to hand the kernel, by mode (docs/behaviour.md), or :class:`UnsafeAttentionError`."""
+    if attn_mask is None:
+        return None
+    if attn_mask.requires_grad:
+        raise UnsafeAttentionError(
+            "diffusers_cudnn_fix: the attention mask requires grad, but diffusers' context-parallel cuDNN "
+            "path gives the mask no gradient (it would silently stay None). Detach the mask, or train the "
+            "bias with another attention backend."
+        )
+    if attn_mask.dtype == query.dtype:
         return attn_mask
-    if _mode == "convert":
-        return additive_mask(attn_mask, query.dtype)
-    if _mode == "error":
+    if not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
+        raise UnsafeAttentionError(
+            f"diffusers_cudnn_fix: a {attn_mask.dtype} attention mask reached diffusers' context-parallel cuDNN "
+            "op. An integer mask is ambiguous (0/1 keep flags or an additive bias?) and F.scaled_dot_product_"
+            "attention refuses it too. Pass a bool mask (True = attend) or an additive mask of q's dtype."
+        )
+    forced = getattr(_forced, "mode", None)  # the check's own runs: no notice for the user
+    mode = forced or _switches.mask_mode()
+    if mode == "convert":
+        if forced is None:
+            _warn_once(
+                MaskConvertedWarning,
+                f"diffusers_cudnn_fix: a {attn_mask.dtype} attention mask reached diffusers' context-parallel "
+                f"cuDNN op, which would misread it as a {query.dtype} additive bias ({ISSUE}); it was converted "
+                f"to an additive {query.dtype} mask. {_switches.MASK_VAR}=warn passes masks through as diffusers "
+                "does, =error refuses them (shown once per process).",
+            )
+        return _converted(attn_mask, query.dtype)
+    if mode == "error":
         raise UnsafeAttentionError(
             f"diffusers_cudnn_fix: a {attn_mask.dtype} attention mask reached diffusers' context-parallel "
             f"cuDNN op, which would misread it as a {query.dtype} additive bias ({ISSUE}). "
-            f"Set {MASK_VAR}=convert to convert it, or pass an additive mask of q's dtype."
+            f"Set {_switches.MASK_VAR}=convert to convert it, or pass an additive mask of q's dtype."
         )
-    if not torch.compiler.is_compiling():
-        _warn_once(attn_mask, query)
+    _warn_once(
+        MaskMisreadWarning,
+        f"diffusers_cudnn_fix: a {attn_mask.dtype} attention mask reached diffusers' context-parallel cuDNN op "
+        f"and was passed through ({_switches.MASK_VAR}=warn): the kernel reads it as a {query.dtype} bias "
+        f"({ISSUE}), a bool mask out of bounds, so outputs and gradients are wrong. "
+        f"Unset {_switches.MASK_VAR} (or set it to convert) to convert masks.",
+    )
     return attn_mask
 
 
-def _bias(trace: _detect.Trace, op: str) -> torch.Tensor | None:
+def _bias(trace: _detect.Trace, op: str) -> Any:
     call = trace.first(op)
     return None if call is None else call.args.get("attn_bias")
 
@@ -136,31 +149,41 @@ def check(lookup: Lookup) -> Finding:
     if not _detect.signature_matches(forward, _detect.FORWARD_PARAMS):
         return Finding("unknown", "the forward op's signature differs from every known release")
     want = _detect.check_mask("float32").to(torch.bfloat16)
-    # Our own wrapper is checked in convert mode: that is the code path which must be right (the shipped
-    # forward ignores the mode). The bool mask's run includes the backward, to see that the backward kernel
-    # gets the very bias the forward kernel got.
-    with _forced_mode("convert"):
+    # Our wrapper is checked in convert mode, whatever the mode in force: that is the path which must be
+    # right. The bool mask's run includes the backward, to see that it gets the very bias the forward got.
+    _forced.mode = "convert"
+    try:
         for kind in ("bool", "float32"):
-            trace = _detect.run_pair(forward, backward if kind == "bool" else None, return_lse=True, mask=kind)
-            fwd = _bias(trace, _detect.CUDNN_FORWARD)
+            trace = _detect.run_pair(
+                forward, backward if kind == "bool" else None, return_lse=True, mask=_detect.check_mask(kind)
+            )
             if trace.first(_detect.CUDNN_FORWARD) is None:
                 return Finding("unknown", f"with a {kind} mask the forward never reached the kernel ({trace.error})")
+            fwd = _bias(trace, _detect.CUDNN_FORWARD)
             if not isinstance(fwd, torch.Tensor) or fwd.dtype != torch.bfloat16:
                 found = getattr(fwd, "dtype", fwd)
-                return Finding("broken", f"a {kind} mask reaches the cuDNN kernel's additive bias as {found} with bf16 q")
+                return Finding("broken", f"a {kind} mask reaches the cuDNN kernel's bias as {found} with bf16 q")
             if not torch.equal(fwd, want):
                 return Finding("broken", f"a {kind} mask reaches the kernel converted to the wrong values")
             if kind == "bool":
                 bwd = _bias(trace, _detect.CUDNN_BACKWARD)
                 if bwd is not fwd and not (isinstance(bwd, torch.Tensor) and torch.equal(bwd, fwd)):
                     return Finding("broken", "the backward kernel gets another bias than the forward")
-    return Finding("ok", "bool and float masks reach the cuDNN kernels as an additive mask in q's dtype")
+        trace = _detect.run_pair(forward, None, return_lse=True, mask=_detect.check_mask("int64"))
+        if trace.first(_detect.CUDNN_FORWARD) is not None:
+            return Finding("broken", "an integer mask reaches the cuDNN kernel's bias")
+    finally:
+        _forced.mode = None
+    return Finding("ok", "in convert mode, bool and float masks reach the kernels as additive masks in q's dtype")
 
 
 def build(lookup: Lookup) -> Mapping[str, Any]:
-    global _mode
-    _mode = mask_mode()  # an unknown value in the environment was reported by mask_mode()
     return {TARGET: guard_forward(lookup(TARGET), mask_policy)}
+
+
+def note() -> str:
+    mode = _switches.mask_mode()
+    return f"mask mode {mode}: {MODE_EFFECTS[mode]}"
 
 
 FIX = Fix(
@@ -172,5 +195,5 @@ FIX = Fix(
     check=check,
     build=build,
     kind="guard",
-    note=lambda: f"mode: {_mode}",
+    note=note,
 )

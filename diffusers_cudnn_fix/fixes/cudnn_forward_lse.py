@@ -3,14 +3,14 @@
 Bug: ``_cudnn_attention_forward_op`` passes ``compute_log_sumexp=return_lse`` to
 ``aten::_scaled_dot_product_cudnn_attention``. Ulysses context parallelism calls it with
 ``return_lse=False`` in a normal training step, so the kernel returns no log-sum-exp, ``None`` is saved for
-the backward, and the cuDNN backward (which recomputes the softmax from it) returns garbage without raising.
-Measured on an H200 with the K/V bug already fixed: dQ error 3.9 against a reference magnitude of 1.9.
+the backward, and the cuDNN backward (which recomputes the softmax from it) returns garbage without raising
+(docs/kernel-facts.md).
 
 Releases: 0.36.0 to 0.39.0. Fixed upstream in 0.40.0 (huggingface/diffusers#14274).
 
-Detection: run the installed forward on tiny CPU tensors (``_detect``) as Ulysses does in training (``return_lse=False``,
-context saved, a context-parallel config of world size 2, the Function's ``needs_input_grad`` set) and read
-the ``compute_log_sumexp`` flag reaching the ATen op.
+Detection: run the installed forward on tiny CPU tensors (``_detect``) as Ulysses does in training
+(``return_lse=False``, context saved, a context-parallel config of world size 2, the Function's
+``needs_input_grad`` set) and read the ``compute_log_sumexp`` flag reaching the ATen op.
 
 Replacement: :func:`cudnn_attention_forward_op`, which asks the kernel for the log-sum-exp whenever it saves
 the context for a backward, saves exactly what the shipped op saves (so the shipped or the corrected
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from .. import _detect
+from .. import _detect, _devices
 from .._fix import Finding, Fix, Lookup
-from .._layout import backward_may_follow, maybe_probe, to_kernel_layout, to_model_layout
+from .._layout import backward_may_follow, to_kernel_layout, to_model_layout
 
 TARGET = "_cudnn_attention_forward_op"
 
@@ -50,19 +50,25 @@ def cudnn_attention_forward_op(
     """cuDNN attention forward for diffusers' templated (context-parallel) attention, corrected.
 
     Takes (B, S, H, D) tensors; returns ``out`` (B, S, H, D), or ``(out, lse)`` when ``return_lse``.
-    Saves dense (B, H, S, D) q/k/v, the kernel's output and its log-sum-exp, as the shipped op does.
+    Saves (B, H, S, D) q/k/v, the kernel's output and its log-sum-exp, as the shipped op does.
     """
     if enable_gqa:
         raise ValueError("`enable_gqa` is not yet supported for cuDNN attention.")
-    maybe_probe(query)  # once per CUDA device: checks these very ops on the GPU (_probe.py)
-    q = to_kernel_layout(query)
-    k = to_kernel_layout(key)
-    v = to_kernel_layout(value)
+    _devices.on_cuda_call(query)  # the GPU probe, once per CUDA device
+    q, k, v = to_kernel_layout(query), to_kernel_layout(key), to_kernel_layout(value)
     # The backward recomputes the softmax from the log-sum-exp: compute it whenever one may follow.
     compute_lse = return_lse or (_save_ctx and backward_may_follow(ctx))
     out, lse, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, _ = (
         torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, attn_mask, compute_lse, dropout_p, is_causal, False, scale=scale
+            query=q,
+            key=k,
+            value=v,
+            attn_bias=attn_mask,
+            compute_log_sumexp=compute_lse,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            return_debug_mask=False,
+            scale=scale,
         )
     )
     if _save_ctx:
@@ -80,12 +86,7 @@ def cudnn_attention_forward_op(
 
 
 def check(lookup: Lookup) -> Finding:
-    return _detect.check_forward_lse(
-        lookup(TARGET),
-        lookup("_cudnn_attention_backward_op"),
-        forward_op=_detect.CUDNN_FORWARD,
-        backward_op=_detect.CUDNN_BACKWARD,
-    )
+    return _detect.check_forward_lse(lookup(TARGET), forward_op=_detect.CUDNN_FORWARD)
 
 
 def build(lookup: Lookup) -> Mapping[str, Any]:

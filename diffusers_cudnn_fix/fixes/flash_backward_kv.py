@@ -24,37 +24,41 @@ from typing import Any
 
 import torch
 
-from .. import _detect
+from .. import _detect, _devices
 from .._fix import Finding, Fix, Lookup
-from .._layout import maybe_probe, reject_per_step_tensors, to_model_layout, with_strides_of
+from .._layout import reject_per_step_tensors, to_model_layout, with_strides_of
 
 FIX_ID = "flash_backward_kv"
 TARGET = "_native_flash_attention_backward_op"
 
 
-def native_flash_attention_backward_op(ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: Any):
+def native_flash_attention_backward_op(
+    ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Native flash attention backward for diffusers' templated attention, corrected.
 
     Takes ``grad_out`` in (B, S, H, D); returns (dq, dk, dv) in (B, S, H, D).
     """
     reject_per_step_tensors(kwargs, FIX_ID)
-    maybe_probe(grad_out)  # once per CUDA device (_probe.py); a no-op on CPU and while compiling
+    # The flash forward is diffusers' own: this is the first corrected op a flash run reaches. It runs on
+    # autograd's thread, so the probe (if it runs now) runs there; on_cuda_call imports nothing.
+    _devices.on_cuda_call(grad_out)
     q, k, v, out, lse, cum_seq_q, cum_seq_k, philox_seed, philox_offset = ctx.saved_tensors
     grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        with_strides_of(grad_out.transpose(1, 2), out),
-        q,
-        k,
-        v,
-        out,
-        lse,
-        cum_seq_q,
-        cum_seq_k,
-        ctx.max_q,
-        ctx.max_k,
-        ctx.dropout_p,
-        ctx.is_causal,
-        philox_seed,
-        philox_offset,
+        grad_out=with_strides_of(grad_out.transpose(1, 2), out),
+        query=q,
+        key=k,
+        value=v,
+        out=out,
+        logsumexp=lse,
+        cum_seq_q=cum_seq_q,
+        cum_seq_k=cum_seq_k,
+        max_q=ctx.max_q,
+        max_k=ctx.max_k,
+        dropout_p=ctx.dropout_p,
+        is_causal=ctx.is_causal,
+        philox_seed=philox_seed,
+        philox_offset=philox_offset,
         scale=ctx.scale,
     )
     return to_model_layout(grad_q), to_model_layout(grad_k), to_model_layout(grad_v)

@@ -61,8 +61,9 @@ def _run(backward: Any) -> tuple[list[torch.Tensor] | None, str | None]:
     lse = torch.zeros(batch, seq, heads)
     seen: list[torch.Tensor] = []
 
-    def backward_op(ctx: Any, grad: torch.Tensor, *a: Any, **kw: Any):
-        seen.append((kw.get("key") if kw.get("key") is not None else ctx.saved_tensors[1]).clone())
+    def backward_op(ctx: Any, grad: torch.Tensor, *a: Any, **kw: Any) -> tuple[torch.Tensor, ...]:
+        key = kw.get("key")
+        seen.append((key if key is not None else ctx.saved_tensors[1]).clone())
         return torch.zeros(ctx.q_shape), torch.zeros(ctx.kv_shape), torch.zeros(ctx.kv_shape)
 
     collectives = types.SimpleNamespace(

@@ -32,7 +32,7 @@ TARGET = f"{CLASS}.backward"
 
 
 def _padded(shipped: Any, inputs: int) -> Any:
-    def backward(ctx: Any, grad_out: torch.Tensor, *args: Any):
+    def backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tuple[Any, ...]:
         """diffusers' Ulysses backward with one gradient (None) per forward input."""
         grads = tuple(shipped(ctx, grad_out, *args))
         return grads + (None,) * (inputs - len(grads))
@@ -53,7 +53,7 @@ def _with_stand_in_collectives(backward: Any) -> Any:
 def _returned(backward: Any) -> tuple[int | None, str | None]:
     batch, seq, heads, dim = 1, 4, 2, 8
 
-    def backward_op(ctx: Any, grad: torch.Tensor, *a: Any, **kw: Any):
+    def backward_op(ctx: Any, grad: torch.Tensor, *a: Any, **kw: Any) -> tuple[torch.Tensor, ...]:
         return torch.empty_like(grad), torch.empty_like(grad), torch.empty_like(grad)  # only counted
 
     config = types.SimpleNamespace(_ulysses_mesh=_detect.FAKE_MESH, ulysses_degree=1, _world_size=2)
@@ -86,6 +86,7 @@ def check(lookup: Lookup) -> Finding:
 
 def build(lookup: Lookup) -> Mapping[str, Any]:
     inputs = _detect.input_count(lookup(f"{CLASS}.forward"))
+    assert inputs is not None  # the check read it before the build
     return {TARGET: staticmethod(_padded(lookup(TARGET), inputs))}
 
 

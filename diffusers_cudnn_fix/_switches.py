@@ -1,0 +1,103 @@
+"""The four switches: one parser for the environment and the API.
+
+Read when asked, not cached, so tests and launchers can flip them. Values are stripped and
+case-insensitive. A bad value in the environment is reported once (a :class:`SwitchValueWarning` naming the
+variable, the value, the allowed values and what is used instead); a bad value given to the API raises
+``ValueError``. What each value does: ``docs/behaviour.md``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from ._warnings import SwitchValueWarning, report
+
+#: The diffusers module every fix patches.
+MODULE_NAME = "diffusers.models.attention_dispatch"
+
+ENABLE_VAR = "DIFFUSERS_CUDNN_FIX"
+SKIP_VAR = "DIFFUSERS_CUDNN_FIX_SKIP"
+MASK_VAR = "DIFFUSERS_CUDNN_FIX_MASK"
+PROBE_VAR = "DIFFUSERS_CUDNN_FIX_PROBE"
+
+MASK_MODES = ("convert", "warn", "error")
+PROBE_MODES = ("warn", "strict", "off")
+_ON_OFF = {
+    **dict.fromkeys(("1", "on", "true", "yes", "enable", "enabled"), "on"),
+    **dict.fromkeys(("0", "off", "false", "no", "disable", "disabled"), "off"),
+}
+
+# name of the variable -> (spelling -> value, default, value used for a bad spelling)
+_CHOICES: dict[str, tuple[Mapping[str, str], str, str]] = {
+    ENABLE_VAR: (_ON_OFF, "on", "on"),  # a typo must not switch the fixes off
+    MASK_VAR: ({m: m for m in MASK_MODES}, "convert", "convert"),
+    # Someone who typed "stict" wanted strict; the safe reading of a typo is the stricter one.
+    PROBE_VAR: ({m: m for m in PROBE_MODES}, "warn", "strict"),
+}
+
+_overrides: dict[str, str] = {}  # variable -> value chosen through the API in this process
+_reported: set[tuple[str, str]] = set()
+
+
+def _bad_value(var: str, raw: str, problem: str) -> None:
+    if (var, raw) not in _reported:
+        _reported.add((var, raw))
+        report(f"diffusers_cudnn_fix: {var}={raw!r}: {problem}.", SwitchValueWarning)
+
+
+def _choice(var: str) -> str:
+    if var in _overrides:
+        return _overrides[var]
+    spellings, default, fallback = _CHOICES[var]
+    raw = os.environ.get(var, "")
+    if not raw.strip():
+        return default
+    value = spellings.get(raw.strip().lower())
+    if value is None:
+        _bad_value(var, raw, f"not one of {', '.join(spellings)}; using {fallback!r}")
+        return fallback
+    return value
+
+
+def _set(var: str, value: str) -> None:
+    spellings = _CHOICES[var][0]
+    chosen = spellings.get(str(value).strip().lower())
+    if chosen is None:
+        raise ValueError(f"{var} (and its API twin) takes one of {', '.join(spellings)}, not {value!r}")
+    _overrides[var] = chosen
+
+
+def enabled() -> bool:
+    """Whether the package may patch anything (the master switch)."""
+    return _choice(ENABLE_VAR) == "on"
+
+
+def mask_mode() -> str:
+    """``convert``, ``warn`` or ``error``: the API's choice, else the environment's, else ``convert``."""
+    return _choice(MASK_VAR)
+
+
+def set_mask_mode(mode: str) -> None:
+    _set(MASK_VAR, mode)
+
+
+def probe_mode() -> str:
+    """``warn``, ``strict`` or ``off``: the API's choice, else the environment's, else ``warn``."""
+    return _choice(PROBE_VAR)
+
+
+def set_probe_mode(mode: str) -> None:
+    _set(PROBE_VAR, mode)
+
+
+def skipped_fixes(known: Mapping[str, str]) -> frozenset[str]:
+    """Fix ids named in ``DIFFUSERS_CUDNN_FIX_SKIP``. ``known`` maps every accepted spelling (ids and old
+    ids, lower case) to a fix id; unknown names are reported once and ignored."""
+    raw = os.environ.get(SKIP_VAR, "")
+    names = [part.strip() for part in raw.split(",") if part.strip()]
+    unknown = [name for name in names if name.lower() not in known]
+    if unknown:
+        ids = ", ".join(sorted(set(known.values())))
+        _bad_value(SKIP_VAR, raw, f"{', '.join(unknown)} is no fix id (known: {ids}); ignoring it")
+    return frozenset(known[name.lower()] for name in names if name.lower() in known)

@@ -1,0 +1,81 @@
+"""q/k/v of an unsupported dtype, or of different dtypes, reach the raw cuDNN attention op and give garbage.
+
+Bug: cuDNN SDPA supports float16 and bfloat16 only, with q, k and v of one dtype. ``F.scaled_dot_product_attention``
+checks that before picking cuDNN, but diffusers' context-parallel path calls
+``aten::_scaled_dot_product_cudnn_attention`` directly, which checks neither: fp32 inputs, or q in bf16 with
+k/v in fp16, come back as garbage without an error (docs/kernel-facts.md). diffusers' own dtype constraint for
+the backend runs only with ``DIFFUSERS_ATTN_CHECKS`` set.
+
+Releases: every release with the op, 0.36.0 up to at least 0.42.1.
+
+Detection: run the installed forward with fp32 q/k/v, and with bf16 q and fp16 k/v, and see whether they
+reach the kernel.
+
+Replacement: a thin wrapper around the installed forward op that raises :class:`UnsafeAttentionError`
+naming the three dtypes and the way out.
+
+Revert: the object that was there before is put back (the registry keeps it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .. import _detect
+from .._fix import Finding, Fix, Lookup
+from .._warnings import UnsafeAttentionError
+from ._forward_guard import guard_forward
+
+TARGET = "_cudnn_attention_forward_op"
+_SUPPORTED = (torch.float16, torch.bfloat16)
+
+
+def refuse_unsupported_dtypes(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Raises for the dtypes the cuDNN kernel silently gets wrong; passes the mask on untouched."""
+    if query.dtype not in _SUPPORTED or not query.dtype == key.dtype == value.dtype:
+        raise UnsafeAttentionError(
+            f"diffusers_cudnn_fix: q/k/v of dtypes {query.dtype}/{key.dtype}/{value.dtype} reached diffusers' "
+            "context-parallel cuDNN attention op, which needs q, k and v of one dtype, float16 or bfloat16, and "
+            "returns garbage for anything else. Run the model in one of those dtypes (e.g. torch.autocast or "
+            ".to(torch.bfloat16)) or choose another attention backend."
+        )
+    return attn_mask
+
+
+def check(lookup: Lookup) -> Finding:
+    forward = lookup(TARGET)
+    if forward is None:
+        return Finding("absent", "the cuDNN forward op does not exist in this diffusers")
+    if not _detect.signature_matches(forward, _detect.FORWARD_PARAMS):
+        return Finding("unknown", "the forward op's signature differs from every known release")
+    cases = {"fp32 q/k/v": (torch.float32, None), "bf16 q with fp16 k/v": (torch.bfloat16, torch.float16)}
+    for label, (dtype, key_dtype) in cases.items():
+        trace = _detect.run_pair(forward, None, return_lse=True, dtype=dtype, key_dtype=key_dtype)
+        call = trace.first(_detect.CUDNN_FORWARD)
+        if call is not None:
+            return Finding("broken", f"{label} reach the cuDNN kernel")
+        if trace.error is None:
+            return Finding("unknown", f"with {label} the forward neither reached the kernel nor raised")
+    return Finding("ok", "fp32 and mixed-dtype q/k/v are refused before the kernel")
+
+
+def build(lookup: Lookup) -> Mapping[str, Any]:
+    return {TARGET: guard_forward(lookup(TARGET), refuse_unsupported_dtypes)}
+
+
+FIX = Fix(
+    id="cudnn_input_dtypes",
+    title="fp32 or mixed-dtype q/k/v are accepted by the raw cuDNN op and give garbage",
+    upstream="none filed yet: aten::_scaled_dot_product_cudnn_attention checks no dtype",
+    affected=">=0.36.0",
+    targets=(TARGET,),
+    check=check,
+    build=build,
+    kind="guard",
+    old_ids=("cudnn_fp32_inputs",),
+)
