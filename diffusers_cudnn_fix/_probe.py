@@ -84,7 +84,7 @@ def maybe_probe(device: torch.device) -> None:
     of going on wrong."""
     found = _devices.result(str(device))
     if found is None:
-        if _switches.probe_mode() == "off" or torch.cuda.is_current_stream_capturing():
+        if _switches.probe_mode() == "off" or _capturing():
             return
         if not _lock.acquire(blocking=False):
             return  # a probe is running (this very one, re-entered, or on another thread): never wait
@@ -95,6 +95,11 @@ def maybe_probe(device: torch.device) -> None:
         _announce(found)
     if found.state == "failed" and _switches.probe_mode() == "strict":
         raise UnsafeAttentionError(_failure_message(found) + f"\n(raised because {_switches.PROBE_VAR}=strict)")
+
+
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (the probe must wait for the next call)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _failure_message(result: ProbeResult) -> str:
