@@ -35,7 +35,8 @@ IMPORT_ONE = """
 import sys, time
 t = time.perf_counter()
 import {name}
-print((time.perf_counter() - t) * 1e3, ",".join(m for m in ("torch", "diffusers", "packaging") if m in sys.modules) or "-")
+heavy = [m for m in ("torch", "diffusers", "packaging") if m in sys.modules]
+print((time.perf_counter() - t) * 1e3, ",".join(heavy) or "-")
 """
 
 DIFFUSERS = {

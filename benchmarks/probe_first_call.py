@@ -20,10 +20,10 @@ from releases import release_dir  # noqa: E402
 
 def main() -> None:
     sys.path.insert(0, str(release_dir("0.39.0")))
+    import diffusers.models.attention_dispatch as m
     import torch
 
     import diffusers_cudnn_fix  # noqa: F401
-    import diffusers.models.attention_dispatch as m
     from diffusers_cudnn_fix import _layout
     from diffusers_cudnn_fix import _probe as probe
 

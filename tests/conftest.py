@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         import torch
 
         have_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
-    except Exception:  # noqa: BLE001
+    except Exception:
         have_gpu = False
     if have_gpu:
         return
@@ -38,10 +38,10 @@ def dispatch_module() -> types.ModuleType:
     site = str(release_dir(IN_PROCESS_RELEASE))
     if site not in sys.path:
         sys.path.insert(0, site)
+    import diffusers.models.attention_dispatch as module
     import standin_kernels
 
     import diffusers_cudnn_fix  # noqa: F401  (arms the hook)
-    import diffusers.models.attention_dispatch as module
 
     standin_kernels.register()
     assert module.__file__.startswith(site), module.__file__

@@ -79,7 +79,7 @@ def run(
     paths = [str(site)] if site is not None else []
     paths += [str(ROOT), str(TESTS)]
     full_env = {**os.environ, **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join(paths + [full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    full_env["PYTHONPATH"] = os.pathsep.join([*paths, full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     full_env.setdefault("PYTHONWARNINGS", "default")
     proc = subprocess.run(
         [sys.executable, "-c", script],

@@ -32,8 +32,9 @@ BACKENDS = {
 
 def import_in_order(order: str) -> types.ModuleType:
     if order == "package_first":
-        import diffusers_cudnn_fix  # noqa: F401
         import diffusers.models.attention_dispatch as module
+
+        import diffusers_cudnn_fix
     elif order == "diffusers_first":
         import diffusers.models.attention_dispatch as module
 
@@ -76,7 +77,6 @@ def run_case(
     """``mask``: None, ``"bool"``, or ``"float32"`` (the same mask as an additive fp32 mask).
     ``dtype``: of q/k/v (``"float32"`` to see what fp32 inputs do)."""
     import torch
-
     from standin_kernels import max_abs_error, reference_attention
 
     fwd_name, bwd_name = BACKENDS[backend]
@@ -106,8 +106,18 @@ def run_case(
             # Fresh tensors, as after the all-to-all: requires_grad is False on what reaches the op.
             query, key, value = (x.clone() for x in (query, key, value))
             out = getattr(module, fwd_name)(
-                ctx, query, key, value, attn_mask, 0.0, False, None, False, return_lse,
-                _save_ctx=True, _parallel_config=parallel_config,
+                ctx,
+                query,
+                key,
+                value,
+                attn_mask,
+                0.0,
+                False,
+                None,
+                False,
+                return_lse,
+                _save_ctx=True,
+                _parallel_config=parallel_config,
             )
             return out[0] if return_lse else out
 
@@ -120,7 +130,7 @@ def run_case(
     try:
         out = Harness.apply(*leaves)
         out.backward(grad_out)
-    except Exception as exc:  # noqa: BLE001 - a raising op is a result
+    except Exception as exc:
         return {"status": "raised", "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     got = {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
 

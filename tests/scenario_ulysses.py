@@ -37,7 +37,6 @@ def _init_gloo() -> Any:
 
 def run_case(module: types.ModuleType, mesh: Any, backend: str, case: tuple, return_lse: bool) -> dict[str, Any]:
     import torch
-
     from standin_kernels import max_abs_error, reference_attention
 
     fwd_name, bwd_name = BACKENDS[backend]
@@ -55,24 +54,38 @@ def run_case(module: types.ModuleType, mesh: Any, backend: str, case: tuple, ret
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     try:
         out = module.TemplatedUlyssesAttention.apply(
-            *leaves, None, 0.0, False, None, False, return_lse,
-            getattr(module, fwd_name), getattr(module, bwd_name), config,
+            *leaves,
+            None,
+            0.0,
+            False,
+            None,
+            False,
+            return_lse,
+            getattr(module, fwd_name),
+            getattr(module, bwd_name),
+            config,
         )
         if return_lse:
             out = out[0]
         out.backward(grad_out)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return {"status": "raised", "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     got = {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
     ref = [x.float().transpose(1, 2).requires_grad_(True) for x in (q, k, v)]
     ref_out = reference_attention(*ref)
     ref_out.backward(grad_out.float().transpose(1, 2))
-    golden = dict(zip(("out", "dq", "dk", "dv"), (t.transpose(1, 2) for t in (ref_out.detach(), *(x.grad for x in ref)))))
+    golden = dict(
+        zip(("out", "dq", "dk", "dv"), (t.transpose(1, 2) for t in (ref_out.detach(), *(x.grad for x in ref))))
+    )
     bf16 = [x.transpose(1, 2).detach().requires_grad_(True) for x in (q, k, v)]
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         bf16_out = torch.nn.functional.scaled_dot_product_attention(*bf16)
     bf16_out.backward(grad_out.transpose(1, 2))
-    bf16_ref = dict(zip(("out", "dq", "dk", "dv"), (t.transpose(1, 2).float() for t in (bf16_out.detach(), *(x.grad for x in bf16)))))
+    bf16_ref = dict(
+        zip(
+            ("out", "dq", "dk", "dv"), (t.transpose(1, 2).float() for t in (bf16_out.detach(), *(x.grad for x in bf16)))
+        )
+    )
     errors = {n: max_abs_error(got[n].float(), golden[n]) for n in got}
     bf16_errors = {n: max_abs_error(bf16_ref[n], golden[n]) for n in got}
     magnitudes = {n: golden[n].abs().max().item() for n in got}
@@ -90,7 +103,9 @@ def main(order: str) -> None:
     for backend in BACKENDS:
         for case in ULYSSES_CASES:
             for return_lse in (False, True):
-                results[f"{backend}/{case[0]}/return_lse={return_lse}"] = run_case(module, mesh, backend, case, return_lse)
+                results[f"{backend}/{case[0]}/return_lse={return_lse}"] = run_case(
+                    module, mesh, backend, case, return_lse
+                )
     report = None
     if "diffusers_cudnn_fix" in sys.modules:
         report = sys.modules["diffusers_cudnn_fix"].status().to_dict()

@@ -66,9 +66,7 @@ CUDNN_GQA_MESSAGE = (
 FLASH_GQA_MESSAGE = "Number of heads in key/value must divide number of heads in query"
 FLASH_DTYPE_MESSAGE = "FlashAttention only support fp16 and bf16 data type"
 STATS_DIM_MESSAGE = "cuDNN Frontend error: Stats dim is invalid"
-MISSING_LSE_MESSAGE = (
-    "stand-in: logsumexp is missing (the forward was run with compute_log_sumexp=False)"
-)
+MISSING_LSE_MESSAGE = "stand-in: logsumexp is missing (the forward was run with compute_log_sumexp=False)"
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 # Flash-style kernels evaluate the softmax as exp2(s * log2(e) - max). A score below
@@ -167,16 +165,13 @@ def _check_4d_last_stride(name: str, tensor: torch.Tensor) -> None:
         )
 
 
-def _check_qkv(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, flash: bool
-) -> None:
+def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, flash: bool) -> None:
     """Shape, stride and head-count checks of the real kernels."""
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         _check_4d_last_stride(name, tensor)
     if not (query.dtype == key.dtype == value.dtype):
         raise RuntimeError(
-            "stand-in: query, key and value must have the same dtype, got "
-            f"{query.dtype}, {key.dtype}, {value.dtype}"
+            f"stand-in: query, key and value must have the same dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
         )
     if not (query.size(0) == key.size(0) == value.size(0)):
         raise RuntimeError(
@@ -184,18 +179,14 @@ def _check_qkv(
             f"{query.size(0)}, {key.size(0)}, {value.size(0)}"
         )
     if query.size(-1) != key.size(-1):
-        raise RuntimeError(
-            f"stand-in: query and key head dims differ ({query.size(-1)} vs {key.size(-1)})"
-        )
+        raise RuntimeError(f"stand-in: query and key head dims differ ({query.size(-1)} vs {key.size(-1)})")
     if flash and value.size(-1) != query.size(-1):
         raise RuntimeError(
             "stand-in: FlashAttention needs query, key and value to share the head dim, got "
             f"{query.size(-1)} and {value.size(-1)}"
         )
     if key.size(2) != value.size(2):
-        raise RuntimeError(
-            f"stand-in: key and value sequence lengths differ ({key.size(2)} vs {value.size(2)})"
-        )
+        raise RuntimeError(f"stand-in: key and value sequence lengths differ ({key.size(2)} vs {value.size(2)})")
     # The head-count rule is what turns a (B, S, H, D) tensor passed as (B, H, S, D) into an error
     # when H != S (its "heads" are then S). The real cuDNN text is kept verbatim.
     if key.size(1) == 0 or query.size(1) % key.size(1) != 0 or key.size(1) != value.size(1):
@@ -263,9 +254,7 @@ def _read_bias(
     if attn_bias is None:
         return None
     if attn_bias.dim() not in (2, 3, 4):
-        raise RuntimeError(
-            f"cuDNN SDPA expects either a 2D, 3D, or 4D attn_bias but got {attn_bias.dim()}D"
-        )
+        raise RuntimeError(f"cuDNN SDPA expects either a 2D, 3D, or 4D attn_bias but got {attn_bias.dim()}D")
     if attn_bias.dtype == torch.bool:
         values = attn_bias.to(torch.float32)
     elif attn_bias.dtype == q_dtype:
@@ -440,9 +429,7 @@ def _check_lse_present(logsumexp: torch.Tensor | None) -> torch.Tensor:
 def _check_lse_shape(lse3: torch.Tensor, query: torch.Tensor) -> None:
     expected = tuple(query.shape[:3])
     if tuple(lse3.shape) != expected:
-        raise RuntimeError(
-            f"stand-in: logsumexp has shape {tuple(lse3.shape)}, expected {expected} (B, H, S_q)"
-        )
+        raise RuntimeError(f"stand-in: logsumexp has shape {tuple(lse3.shape)}, expected {expected} (B, H, S_q)")
 
 
 def _check_grad_out(grad_out: torch.Tensor, out: torch.Tensor, query: torch.Tensor, value: torch.Tensor) -> None:
@@ -623,7 +610,6 @@ def _flash_backward(
         raise RuntimeError(f"stand-in: flash logsumexp must be 3-D (B, H, S_q), got {lse.dim()}-D")
     _check_lse_shape(lse, query)
     # The real flash backward makes grad_out and out contiguous itself, so no stride trap here.
-    batch, heads, s_q = query.shape[:3]
     grads = _backward_fp32(
         grad_out.to(torch.float32),
         query,
@@ -676,8 +662,7 @@ def register() -> None:
         foreign = [name for name in OP_NAMES if _has_cpu_kernel(name)]
         if foreign:
             raise RuntimeError(
-                "stand-in: a CPU kernel is already registered for " + ", ".join(foreign)
-                + "; refusing to override it"
+                "stand-in: a CPU kernel is already registered for " + ", ".join(foreign) + "; refusing to override it"
             )
         library = torch.library.Library("aten", "IMPL")
         for name in OP_NAMES:

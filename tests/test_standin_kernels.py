@@ -64,16 +64,28 @@ def _qkv(b: int, hq: int, sq: int, skv: int, d: int, hkv: int | None = None, dty
 
 
 def _cudnn(q, k, v, *, bias=None, causal=False, lse=True, scale=None):
-    return aten._scaled_dot_product_cudnn_attention(
-        q, k, v, bias, lse, 0.0, causal, False, scale=scale
-    )
+    return aten._scaled_dot_product_cudnn_attention(q, k, v, bias, lse, 0.0, causal, False, scale=scale)
 
 
 def _cudnn_bwd(grad_out, q, k, v, fwd, *, bias=None, causal=False, lse="from_fwd", scale=None):
     out, logsumexp = fwd[0], fwd[1] if lse == "from_fwd" else lse
     return aten._scaled_dot_product_cudnn_attention_backward(
-        grad_out, q, k, v, out, logsumexp, fwd[6], fwd[7], bias, fwd[2], fwd[3], fwd[4], fwd[5],
-        0.0, causal, scale=scale,
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        logsumexp,
+        fwd[6],
+        fwd[7],
+        bias,
+        fwd[2],
+        fwd[3],
+        fwd[4],
+        fwd[5],
+        0.0,
+        causal,
+        scale=scale,
     )
 
 
@@ -84,8 +96,21 @@ def _flash(q, k, v, *, causal=False, scale=None):
 def _flash_bwd(grad_out, q, k, v, fwd, *, causal=False, lse="from_fwd", scale=None):
     out, logsumexp = fwd[0], fwd[1] if lse == "from_fwd" else lse
     return aten._scaled_dot_product_flash_attention_backward(
-        grad_out, q, k, v, out, logsumexp, fwd[2], fwd[3], fwd[4], fwd[5], 0.0, causal,
-        fwd[6], fwd[7], scale=scale,
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        logsumexp,
+        fwd[2],
+        fwd[3],
+        fwd[4],
+        fwd[5],
+        0.0,
+        causal,
+        fwd[6],
+        fwd[7],
+        scale=scale,
     )
 
 
@@ -108,9 +133,7 @@ def _sdpa_reference(q, k, v, grad_out, *, causal=False, attn_mask=None):
     leaves = [t.detach().to(torch.float32).requires_grad_() for t in (q, k, v)]
     gqa = k.size(1) != q.size(1)
     with sdpa_kernel(SDPBackend.MATH):
-        out = F.scaled_dot_product_attention(
-            *leaves, attn_mask=attn_mask, is_causal=causal, enable_gqa=gqa
-        )
+        out = F.scaled_dot_product_attention(*leaves, attn_mask=attn_mask, is_causal=causal, enable_gqa=gqa)
     out.backward(grad_out.to(torch.float32))
     kx = leaves[1].detach().repeat_interleave(q.size(1) // k.size(1), dim=1)
     scores = leaves[0].detach() @ kx.transpose(-2, -1) / math.sqrt(q.size(-1))
@@ -430,8 +453,9 @@ def test_bias_of_another_dtype_is_misread():
     right = sk.reference_attention(q, k, v, additive_mask=bias)
     assert _rel(sk.max_abs_error(out, right), right) > 0.1
     # the same values in q's dtype are read correctly
-    _assert_close("out", _cudnn(q, k, v, bias=bias.to(BF16))[0],
-                  sk.reference_attention(q, k, v, additive_mask=bias.to(BF16)))
+    _assert_close(
+        "out", _cudnn(q, k, v, bias=bias.to(BF16))[0], sk.reference_attention(q, k, v, additive_mask=bias.to(BF16))
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -451,10 +475,7 @@ def test_autograd_routes_the_forward_op_to_the_standin_backward():
 
 
 def _describe(outputs) -> list:
-    return [
-        (tuple(x.shape), x.dtype, tuple(x.stride())) if isinstance(x, torch.Tensor) else x
-        for x in outputs
-    ]
+    return [(tuple(x.shape), x.dtype, tuple(x.stride())) if isinstance(x, torch.Tensor) else x for x in outputs]
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "bshd_view"])
@@ -484,12 +505,8 @@ def test_meta_kernels_still_work_and_match_standin_metadata(layout):
 
     grad_cpu = torch.empty_like(cpu_fwd[0]).copy_(_randn(b, h, sq, d, seed=9))
     grad_meta = torch.empty_like(meta_fwd[0])
-    assert _describe(_cudnn_bwd(grad_cpu, *cpu, cpu_fwd)) == _describe(
-        _cudnn_bwd(grad_meta, *meta, meta_fwd)
-    )
-    assert _describe(_flash_bwd(grad_cpu, *cpu, cpu_ffwd)) == _describe(
-        _flash_bwd(grad_meta, *meta, meta_ffwd)
-    )
+    assert _describe(_cudnn_bwd(grad_cpu, *cpu, cpu_fwd)) == _describe(_cudnn_bwd(grad_meta, *meta, meta_fwd))
+    assert _describe(_flash_bwd(grad_cpu, *cpu, cpu_ffwd)) == _describe(_flash_bwd(grad_meta, *meta, meta_ffwd))
 
 
 def test_register_is_idempotent_and_shared_between_module_copies():
