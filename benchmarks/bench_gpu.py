@@ -14,20 +14,30 @@ B=2 S=1024 H=16 D=64:
 * forward: the bare ATen forward with the log-sum-exp (the floor), the shipped 0.39 forward (no
   log-sum-exp: wrong for training), the corrected op (copies / views), diffusers 0.40's op;
 * the probe: first call in a process whose CUDA context and cuDNN are loaded (one cuDNN call at another
-  shape first, as a training run's first attention call does), and later calls.
+  shape first, as a training run's first attention call does), and later calls;
+* masks (``--sections mask``), B=1 S=4096 H=24 D=128, a bool [B, 1, S, S] mask (key padding: the last
+  eighth of the keys masked) reused by N=8 layers per step, mask mode ``convert``: the installed forward
+  (guards + corrected op) for 8 layers with no mask, with an additive mask in q's dtype (passed on), with
+  the bool mask converted once per step (the mask tensor is modified in place before each step, so the
+  package's cache must convert it again, then serve the other 7 layers), with the same bool mask every step
+  (cache hits only), and converted at every layer (modified before each layer: the cost without a cache).
+  Every variant touches a mask-sized bool tensor the same number of times per step, so the in-place
+  modification costs all of them the same. Ratios are of medians measured side by side in one process.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import statistics
 import sys
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -35,7 +45,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from releases import release_dir  # noqa: E402
 
 SHAPES = ((1, 4096, 24, 128), (2, 1024, 16, 64))
-CP = types.SimpleNamespace(context_parallel_config=types.SimpleNamespace(_world_size=2, ring_degree=1, ulysses_degree=2))
+CP = types.SimpleNamespace(
+    context_parallel_config=types.SimpleNamespace(_world_size=2, ring_degree=1, ulysses_degree=2)
+)
 
 
 class Ctx:
@@ -80,19 +92,105 @@ def load_040_ops() -> dict[str, Any]:
     return {n: namespace[n] for n in wanted}
 
 
+def mask_section(
+    m039: Any,
+    torch: Any,
+    dev: Any,
+    results: dict[str, Any],
+    layers: int = 8,
+    shape: tuple[int, int, int, int] = (1, 4096, 24, 128),
+) -> None:
+    """Cost of the bool-mask conversion (``convert`` mode) on a real shape; see the module docstring."""
+    import warnings
+
+    import diffusers_cudnn_fix
+
+    diffusers_cudnn_fix.set_mask_mode("convert")
+    batch, seq, heads, dim = shape
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(batch, seq, heads, dim, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    keep = torch.ones(batch, 1, seq, seq, dtype=torch.bool, device=dev)
+    keep[..., seq - seq // 8 :] = False  # key padding
+    additive = torch.zeros(keep.shape, dtype=torch.bfloat16, device=dev).masked_fill_(~keep, float("-inf"))
+    dummy = torch.ones_like(keep)
+    fwd = m039._cudnn_attention_forward_op  # as installed: the guards around the (corrected) op
+    ctx = Ctx()
+
+    def touch(t: Any) -> None:  # a new version of the tensor, same values
+        t.bitwise_not_().bitwise_not_()
+
+    def layer(mask: Any) -> Any:
+        return fwd(ctx, q, k, v, mask, 0.0, False, None, False, False, _save_ctx=True, _parallel_config=CP)
+
+    def steps(mask: Any, per_step: Any, per_layer: Any) -> Callable[[], None]:
+        def step() -> None:
+            touch(per_step)
+            for _ in range(layers):
+                touch(per_layer)
+                layer(mask)
+
+        return step
+
+    variants = {
+        "no mask": steps(None, dummy, dummy),
+        "additive bf16 mask (q's dtype), passed on": steps(additive, dummy, dummy),
+        "bool mask, converted once per step (new version each step)": steps(keep, keep, dummy),
+        "bool mask, same mask every step (cache hits only)": steps(keep, dummy, dummy),
+        "bool mask, converted at every layer (cache defeated)": steps(keep, dummy, keep),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        same = (layer(keep) - layer(additive)).abs().max().item()
+        ms = {name: cuda_median_ms(fn, warmup=5, iters=40) for name, fn in variants.items()}
+        ms["conversion alone (zeros + masked_fill, one mask)"] = cuda_median_ms(
+            lambda: torch.zeros(keep.shape, dtype=torch.bfloat16, device=dev).masked_fill_(~keep, float("-inf"))
+        )
+        ms["one touch (two in-place bitwise_not on the mask)"] = cuda_median_ms(lambda: touch(dummy))
+    # Interleaved second pass: the same variants again, to see the run-to-run spread of these medians.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = {name: cuda_median_ms(fn, warmup=2, iters=40) for name, fn in variants.items()}
+    diffusers_cudnn_fix.set_mask_mode("warn")
+    base, add = ms["no mask"], ms["additive bf16 mask (q's dtype), passed on"]
+    once = ms["bool mask, converted once per step (new version each step)"]
+    ratios = {
+        "additive / no mask": add / base,
+        "bool converted once per step / no mask": once / base,
+        "bool converted once per step / additive": once / add,
+        "bool same mask (cache hits) / additive": ms["bool mask, same mask every step (cache hits only)"] / add,
+        "bool converted every layer / converted once per step": ms[
+            "bool mask, converted at every layer (cache defeated)"
+        ]
+        / once,
+    }
+    key = f"masks: B={batch} S={seq} H={heads} D={dim}, {layers} layer forwards per step"
+    results[key] = {
+        "ms_per_step": ms,
+        "ms_per_step_second_pass": again,
+        "ratios": ratios,
+        "max_abs_diff_converted_vs_additive": same,
+    }
+    print(f"\n{key} (mask [B,1,S,S], last eighth of the keys masked; mode convert)")
+    for name, value in ms.items():
+        second = f"   (second pass {again[name]:8.3f})" if name in again else ""
+        print(f"  {name:<62} {value:8.3f} ms{second}")
+    for name, ratio in ratios.items():
+        print(f"  {name:<62} {ratio:8.3f}x")
+    print(f"  bool converted vs additive: max abs difference of the outputs {same}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--sections", default="probe,ops,mask", help="comma-separated: probe, ops, mask")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
     sys.path.insert(0, str(release_dir("0.39.0")))
+    import diffusers.models.attention_dispatch as m039
     import torch
 
     import diffusers_cudnn_fix
-    import diffusers.models.attention_dispatch as m039
-    from diffusers_cudnn_fix import _layout
     from diffusers_cudnn_fix import _probe as probe
-    from diffusers_cudnn_fix.fixes.cudnn_backward_kv import cudnn_attention_backward_op as corrected_bwd
-    from diffusers_cudnn_fix.fixes.cudnn_forward_lse import cudnn_attention_forward_op as corrected_fwd
 
     assert diffusers_cudnn_fix.status().ok
     dev = torch.device("cuda")
@@ -102,34 +200,70 @@ def main() -> None:
     warm = torch.randn(1, 4, 256, 128, device=dev, dtype=torch.bfloat16)
     torch.ops.aten._scaled_dot_product_cudnn_attention(warm, warm, warm, None, True)
     torch.cuda.synchronize()
-    ops040 = load_040_ops()
-    shipped_fwd = diffusers_cudnn_fix.get_original("_cudnn_attention_forward_op")
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "cudnn": torch.backends.cudnn.version(),
-        "command": "python benchmarks/bench_gpu.py --out results/bench-gpu.json",
+        "command": "python benchmarks/bench_gpu.py " + " ".join(sys.argv[1:]),
     }
 
+    if "probe" in sections or "ops" in sections:
+        try:
+            probe_and_ops(args, sections, results, torch, dev, m039, probe)
+        except Exception:
+            import traceback
+
+            results["probe_and_ops_failed"] = traceback.format_exc()
+            print(results["probe_and_ops_failed"])
+    if "mask" in sections:
+        mask_section(m039, torch, dev, results)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+def probe_and_ops(
+    args: Any, sections: set[str], results: dict[str, Any], torch: Any, dev: Any, m039: Any, probe: Any
+) -> None:
+    import diffusers_cudnn_fix
+    from diffusers_cudnn_fix.fixes.cudnn_backward_kv import cudnn_attention_backward_op as corrected_bwd
+    from diffusers_cudnn_fix.fixes.cudnn_forward_lse import cudnn_attention_forward_op as corrected_fwd
+
+    ops040 = load_040_ops()
+    shipped_fwd = diffusers_cudnn_fix.get_original("_cudnn_attention_forward_op")
+    from diffusers_cudnn_fix import _devices
+
     # The probe first: its first call in this process is what a training run pays.
-    probe._results.clear()
+    _devices._results.clear()
     t0 = time.perf_counter()
     first = probe.probe(dev)
     first_ms = (time.perf_counter() - t0) * 1e3
     later = []
     for _ in range(10):
-        probe._results.clear()
+        _devices._results.clear()
         t0 = time.perf_counter()
         probe.probe(dev)
         later.append((time.perf_counter() - t0) * 1e3)
-    results["probe"] = {"state": first.state, "zero_copy": first.zero_copy, "first_ms": first_ms, "later_median_ms": statistics.median(later)}
-    print(f"probe: {first.state}, zero-copy {first.zero_copy}; first call {first_ms:.1f} ms, later calls median {statistics.median(later):.1f} ms")
+    results["probe"] = {
+        "state": first.state,
+        "zero_copy": first.zero_copy,
+        "first_ms": first_ms,
+        "later_median_ms": statistics.median(later),
+    }
+    print(
+        f"probe: {first.state}, zero-copy {first.zero_copy}; first call {first_ms:.1f} ms, "
+        f"later calls median {statistics.median(later):.1f} ms"
+    )
+    if "ops" not in sections:
+        return
 
     for batch, seq, heads, dim in SHAPES:
         key = f"B={batch} S={seq} H={heads} D={dim}"
         gen = torch.Generator(device=dev).manual_seed(0)
-        q, k, v, g = (torch.randn(batch, seq, heads, dim, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(4))
+        q, k, v, g = (
+            torch.randn(batch, seq, heads, dim, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(4)
+        )
         qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
         aten_fwd = torch.ops.aten._scaled_dot_product_cudnn_attention
         aten_bwd = torch.ops.aten._scaled_dot_product_cudnn_attention_backward
@@ -148,12 +282,16 @@ def main() -> None:
             call()
             return call, ctx
 
-        for label, zero_copy in (("copies", False), ("views", True)):
-            _layout.zero_copy = zero_copy
+        # Copies: the probe's verdict recorded without views; views: the probe's own trial switch.
+        _devices.record(dataclasses.replace(first, zero_copy=False))
+        call, ctx = fwd_of(corrected_fwd)
+        row["fwd corrected (copies)"] = cuda_median_ms(call)
+        row["bwd corrected (copies)"] = cuda_median_ms(lambda: corrected_bwd(ctx, g))
+        with _devices.trying_views():
             call, ctx = fwd_of(corrected_fwd)
-            row[f"fwd corrected ({label})"] = cuda_median_ms(call)
-            row[f"bwd corrected ({label})"] = cuda_median_ms(lambda: corrected_bwd(ctx, g))
-        _layout.zero_copy = first.zero_copy
+            row["fwd corrected (views)"] = cuda_median_ms(call)
+            row["bwd corrected (views)"] = cuda_median_ms(lambda: corrected_bwd(ctx, g))
+        _devices.record(first)
         call, ctx = fwd_of(m039._cudnn_attention_forward_op)
         row["fwd as installed (guards + corrected)"] = cuda_median_ms(call)
         call, _ = fwd_of(diffusers_cudnn_fix._registry.callable_of(shipped_fwd))
@@ -180,10 +318,6 @@ def main() -> None:
             print(f"  {name:<44} {ms:8.3f} ms")
         for name, ratio in ratios.items():
             print(f"  {name:<44} {ratio:8.2f}x")
-    _layout.zero_copy = False
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_session.sh import  # bench_import.py and hook_phases.py on that machine's CPU
 #   bash benchmarks/gpu_session.sh references  # tests/test_references.py under that machine's Python
 #   bash benchmarks/gpu_session.sh hook-ab  # the hook only, this package against .base, more runs
+#   bash benchmarks/gpu_session.sh trust    # launch matrix + GPU tests, random cases, mask/ops benchmark:
+#                                           # 7 files in $OUT (each step under its own time limit)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -17,7 +19,65 @@ export PYTHONPATH=/tmp/site
 export DIFFUSERS_WHEELS=$PWD/.whl  # tests/releases.py installs each release from there, offline
 python3 tests/releases.py 0.36.0 0.39.0 0.40.0 0.42.1 >/dev/null || exit 1
 
+# Process groups started by the tests / the random-case runner, ended if a step's time limit stops its parent.
+export DCF_PGID_FILE=/tmp/dcf-pgids
+kill_leftovers() {
+    [ -f "$DCF_PGID_FILE" ] || return 0
+    while read -r pgid; do
+        kill -0 -- "-$pgid" 2>/dev/null && kill -KILL -- "-$pgid" 2>/dev/null && echo "killed leftover group $pgid"
+    done <"$DCF_PGID_FILE"
+    : >"$DCF_PGID_FILE"
+}
+step() {  # step NAME LIMIT_S COMMAND...: timed, logged in gpu-session.log
+    local name=$1 limit=$2 t0=$SECONDS rc
+    shift 2
+    timeout -s INT -k 10 "$limit" "$@"
+    rc=$?
+    kill_leftovers >>"$OUT/gpu-session.log" 2>&1
+    echo "$name: exit $rc after $((SECONDS - t0)) s (limit $limit s)" >>"$OUT/gpu-session.log"
+    return 0
+}
+
 case "${1:-tests}" in
+trust)
+    {
+        date -u
+        nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+        python3 -c "import torch; print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version())"
+        python3 --version
+        git log -1 --format='HEAD %h %s' 2>/dev/null
+        # Contents only, files in sorted order: compare with the same one-liner run in your checkout.
+        python3 -c "import hashlib, pathlib; h = hashlib.sha256(); [h.update(p.read_bytes()) for p in sorted(pathlib.Path('diffusers_cudnn_fix').rglob('*.py'))]; print('package sources sha256', h.hexdigest())"
+    } >"$OUT/gpu-session.log" 2>&1
+    RES=/tmp/dcf-results
+    mkdir -p "$RES"
+    step tests "${DCF_TESTS_LIMIT:-220}" env DIFFUSERS_CUDNN_FIX_RESULTS=$RES \
+        python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -rfE 2>&1 | tee "$OUT/gpu-tests.log"
+    python3 - "$RES" "$OUT/gpu-tests.json" <<'PY'
+import json, sys
+from pathlib import Path
+folder, out = Path(sys.argv[1]), Path(sys.argv[2])
+out.write_text(json.dumps({p.name: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}, indent=1))
+PY
+    RC=/tmp/dcf-random
+    mkdir -p "$RC"
+    : >"$OUT/gpu-random-cases.log"
+    for spec in ${DCF_RANDOM:-0.39.0:300:150 0.42.1:120:70 0.36.0:120:70}; do
+        IFS=: read -r version count limit <<<"$spec"  # the runner stops starting cases 10 s before the limit
+        step "random $version" "$limit" python3 benchmarks/gpu_random_cases.py --release "$version" --cases "$count" \
+            --jobs 8 --chunk 25 --budget $((limit - 10)) --out "$RC/random-$version.json" 2>&1 \
+            | tee -a "$OUT/gpu-random-cases.log"
+    done
+    python3 - "$RC" "$OUT/gpu-random-cases.json" <<'PY'
+import json, sys
+from pathlib import Path
+folder, out = Path(sys.argv[1]), Path(sys.argv[2])
+out.write_text(json.dumps({p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}, indent=1))
+PY
+    step bench "${DCF_BENCH_LIMIT:-60}" python3 benchmarks/bench_gpu.py --out "$OUT/bench-gpu.json" 2>&1 \
+        | tee "$OUT/bench-gpu.log"
+    date -u >>"$OUT/gpu-session.log"
+    ;;
 tests)
     {
         nvidia-smi --query-gpu=name,driver_version --format=csv,noheader

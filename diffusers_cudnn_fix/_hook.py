@@ -31,6 +31,9 @@ def arm() -> None:
     global _registered, _active, _late
     if not _switches.enabled():
         return
+    # A bad value is reported now, at import, not at its first use (which may never come on a CPU).
+    _switches.mask_mode()
+    _switches.probe_mode()
     with _lock:
         _active = True
         if _registered:

@@ -15,19 +15,42 @@ import torch
 
 from . import _devices
 
+#: cuDNN reads its operands in 16-byte vectors: a tensor whose data or whose strides are not on 16 bytes is
+#: read wrong, silently (docs/kernel-facts.md). A fresh allocation always is.
+ALIGNMENT = 16
+
+
+def aligned(x: torch.Tensor) -> bool:
+    """Whether ``x``'s data pointer and every stride but the last (which must be 1) lie on 16 bytes."""
+    size = x.element_size()
+    return (
+        x.stride(-1) == 1
+        and x.data_ptr() % ALIGNMENT == 0
+        and all((stride * size) % ALIGNMENT == 0 for stride in x.stride()[:-1])
+    )
+
+
+def realigned(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a dense copy of it where its data pointer is not on 16 bytes (a view at an odd offset, say:
+    even a contiguous one, which ``.contiguous()`` would hand on as it is)."""
+    if x.device.type != "cuda" or torch.compiler.is_compiling() or x.data_ptr() % ALIGNMENT == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
 
 def to_kernel_layout(x: torch.Tensor) -> torch.Tensor:
     """(B, S, H, D) -> (B, H, S, D): a strided view where the GPU probe verified views on ``x``'s device and
-    the last dimension has unit stride; else a dense copy, as the shipped ops make."""
+    the view is aligned (unit last stride, 16-byte data and strides); else a dense copy, as the shipped ops
+    make."""
     x = x.transpose(1, 2)
     if (
         x.device.type == "cuda"
         and not torch.compiler.is_compiling()
-        and x.stride(-1) == 1
+        and aligned(x)
         and _devices.zero_copy_allowed(x.device)
     ):
         return x
-    return x.contiguous()
+    return realigned(x.contiguous())
 
 
 def to_model_layout(x: torch.Tensor) -> torch.Tensor:
@@ -40,9 +63,11 @@ def with_strides_of(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
     The cuDNN backward must get ``grad_out`` with ``out``'s strides: its graph cache key ignores them, so a
     call whose strides differ from an earlier one at the same shapes returns wrong gradients. One copy when
-    the strides differ, none when they already match.
+    the strides differ (or the data is not on 16 bytes), none when they already match.
     """
-    if grad.stride() == like.stride():
+    if grad.stride() == like.stride() and (
+        grad.device.type != "cuda" or torch.compiler.is_compiling() or grad.data_ptr() % ALIGNMENT == 0
+    ):
         return grad
     return torch.empty_strided(like.shape, like.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
 

@@ -396,8 +396,13 @@ def status() -> Report:
             applied = module is not None and _applied(module, fix)
             if not enabled and not applied:
                 detected, reason = "disabled", f"package switched off by {_switches.ENABLE_VAR}=0"
+            elif record is None and module is not None:
+                detected, reason = (
+                    "unchecked",
+                    "not checked: revert() disarmed the package before the import; call apply()",
+                )
             elif record is None:
-                detected, reason = "pending", f"{MODULE_NAME} not imported (or not checked) yet"
+                detected, reason = "pending", f"{MODULE_NAME} not imported yet"
             else:
                 detected, reason = record.finding.state, record.reason
             if record is not None and record.installed and not applied:

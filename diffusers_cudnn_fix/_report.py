@@ -15,7 +15,8 @@ class FixStatus(NamedTuple):
         expected: whether the release table lists the installed diffusers version as affected (None when
             the version is unknown or a pre-release).
         detected: what the behavioural check found on the shipped code: broken / ok / absent / unknown /
-            disabled (package switched off) / pending (module not imported yet). A fix named in
+            disabled (package switched off) / pending (module not imported yet) / unchecked (imported while
+            the package was reverted). A fix named in
             ``DIFFUSERS_CUDNN_FIX_SKIP`` is still checked; its reason says it was skipped.
         applied: whether our replacement is installed right now (read off the live module).
         reason: one sentence on why.
@@ -34,7 +35,7 @@ class FixStatus(NamedTuple):
     def needs_attention(self) -> bool:
         """The bug is (or may be) there and is not fixed; or the package is switched off on a release the
         table lists as carrying it."""
-        if self.detected == "disabled":
+        if self.detected in ("disabled", "unchecked"):
             return self.expected is True
         return self.detected in ("broken", "unknown") and not self.applied
 

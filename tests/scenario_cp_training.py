@@ -1,28 +1,36 @@
-"""Two-rank context-parallel training of a tiny real Flux transformer on CPU, through diffusers' own CP code.
+"""Two-rank context-parallel training of tiny real Flux and QwenImage transformers on CPU, through diffusers' CP code.
 
 Run in a fresh interpreter whose ``PYTHONPATH`` starts with one diffusers release (``releases.run`` does it)::
 
     python -c "import scenario_cp_training as s; s.launch(package=True)"
+    python -c "import scenario_cp_training as s; s.launch(package=True, modes=('qwen_ulysses',), mask_switch='warn')"
 
 ``launch`` starts two rank processes with the ``spawn`` start method (the one ``torch.multiprocessing.spawn``
 uses; the stdlib context is used directly so the launcher itself need not import torch) and waits for them
 under a deadline. Each rank:
 
 1. imports ``diffusers_cudnn_fix`` first when ``package`` is true (never otherwise), then diffusers;
-2. rank 0 only, *before* the CPU stand-in kernels exist: computes the single-process references with no
-   parallel config and diffusers' ``_native_math`` backend (``F.scaled_dot_product_attention`` restricted to
-   the math kernel), in fp32 (the golden reference) and in bf16 (the noise floor). Nothing on that path can
-   reach the cuDNN / flash ATen ops: they have no CPU kernel yet, so touching them would raise;
-3. registers the stand-in kernels (``standin_kernels.register()``) and joins a 2-rank gloo group
-   (``file://`` rendezvous in a temporary folder: no network at all);
-4. for each mode (``ulysses``: ``ContextParallelConfig(ulysses_degree=2)``, ``ring``:
-   ``ContextParallelConfig(ring_degree=2)``): copies the pristine bf16 model, sets the ``_native_cudnn``
+2. joins a 2-rank gloo group (``file://`` rendezvous in a temporary folder: no network at all); rank 0,
+   *before* the CPU stand-in kernels exist, computes the single-process references of each model the cases
+   use, with no parallel config and diffusers' ``_native_math`` backend (``F.scaled_dot_product_attention``
+   restricted to the math kernel), in fp32 (the golden reference) and in bf16 (the noise floor). Nothing on
+   that path can reach the cuDNN / flash ATen ops: they have no CPU kernel yet, so touching them would raise.
+   A reference that raises is recorded, and rank 0 broadcasts which did, so both ranks skip that model's
+   cases (one rank alone would wait in a collective until the group's timeout);
+3. registers the stand-in kernels (``standin_kernels.register()``);
+4. for each case (``CASES``: ``ulysses`` and ``ring`` train the tiny Flux under
+   ``ContextParallelConfig(ulysses_degree=2)`` / ``(ring_degree=2)``; ``qwen_ulysses`` trains the tiny
+   QwenImage with padded prompts under ``ulysses_degree=2``, so that diffusers builds a bool joint attention
+   mask that reaches the cuDNN op, #14342): copies the pristine bf16 model, sets the ``_native_cudnn``
    backend with ``model.set_attention_backend``, calls ``model.enable_parallelism(config=...)`` (diffusers
    builds the mesh, shards the inputs with its ``_cp_plan`` hooks and gathers ``proj_out``), runs a training
    step (forward on the full inputs, MSE loss on the gathered output, backward), sums the parameter
    gradients over the ranks (diffusers has no gradient sync of its own: each rank's gradients are partial
    sums over its sequence shard), takes an SGD step with them and runs a second forward/backward;
 5. writes one JSON file; the launcher prints both ranks' files as one JSON line.
+
+``mask_switch`` is the value of ``DIFFUSERS_CUDNN_FIX_MASK`` the ranks see: ``None`` (the default) removes the
+variable from the launcher's environment before the ranks start, so they run on the package's default.
 
 Seam on 0.42.x: ``ModelMixin._resolve_parallel_config`` computes ``rank % torch.accelerator.device_count()``,
 which is 0 on a CPU-only torch (ZeroDivisionError). Only when that exact error comes out of
@@ -45,7 +53,10 @@ import warnings
 from typing import Any
 
 WORLD_SIZE = 2
-MODES = ("ulysses", "ring")
+#: Case name -> (model, context-parallel mode). The Flux cases keep their historical names.
+CASES = {"ulysses": ("flux", "ulysses"), "ring": ("flux", "ring"), "qwen_ulysses": ("qwen", "ulysses")}
+MODES = tuple(CASES)
+MASK_VAR = "DIFFUSERS_CUDNN_FIX_MASK"
 BACKEND = "_native_cudnn"
 REFERENCE_BACKEND = "_native_math"
 
@@ -67,6 +78,25 @@ FLUX_CONFIG = dict(
 #: garbage silently (as on a GPU). Under Ulysses each rank holds 4 / 2 = 2 heads of the full 8 tokens.
 BATCH, IMG_TOKENS, TXT_TOKENS = 2, 4, 4
 
+#: Tiny QwenImage: inner dim 4 heads x 8 = 32, two double-stream blocks (each one joint attention).
+QWEN_CONFIG = dict(
+    patch_size=1,
+    in_channels=4,
+    out_channels=4,
+    num_layers=2,
+    attention_head_dim=8,
+    num_attention_heads=4,
+    joint_attention_dim=8,
+    axes_dims_rope=(2, 2, 4),
+)
+#: One 1 x 2 x 2 latent frame (4 image tokens) per sample and 4 text tokens, of which the last 1 (sample 0) and
+#: 2 (sample 1) are padding: ``encoder_hidden_states_mask`` as a tokenizer gives it (int64 1/0). diffusers
+#: (0.38.0+) turns it into a bool joint mask ``[text mask, ones for the image]`` that the templated Ulysses
+#: attention hands to the cuDNN op as ``attn_bias``. Under Ulysses each rank holds 2 text + 2 image tokens
+#: and 2 of the 4 heads; the padding sits entirely in rank 1's text shard.
+QWEN_IMG_SHAPE = (1, 2, 2)
+QWEN_TEXT_MASK = ((1, 1, 1, 0), (1, 1, 0, 0))
+
 RANK_DEADLINE_S = 240.0
 PG_TIMEOUT_S = 90.0
 
@@ -74,14 +104,31 @@ PG_TIMEOUT_S = 90.0
 # ------------------------------------------------------------------------------------------------------------
 # Launcher (the process the test starts)
 # ------------------------------------------------------------------------------------------------------------
-def launch(package: bool, modes: tuple[str, ...] = MODES, steps: int = 2, deadline_s: float = RANK_DEADLINE_S) -> None:
-    """Start the two ranks, wait for them (at most ``deadline_s``), print one JSON line with their results."""
+def launch(
+    package: bool,
+    modes: tuple[str, ...] = MODES,
+    steps: int = 2,
+    deadline_s: float = RANK_DEADLINE_S,
+    mask_switch: str | None = None,
+) -> None:
+    """Start the two ranks, wait for them (at most ``deadline_s``), print one JSON line with their results.
+
+    ``mask_switch``: the ``DIFFUSERS_CUDNN_FIX_MASK`` the ranks get; ``None`` removes it (package default).
+    """
     import multiprocessing as mp
 
+    unknown = [mode for mode in modes if mode not in CASES]
+    if unknown:
+        raise ValueError(f"unknown cases {unknown}; known: {list(CASES)}")
+    # The spawned ranks inherit this process's environment as it is when they start.
+    if mask_switch is None:
+        os.environ.pop(MASK_VAR, None)
+    else:
+        os.environ[MASK_VAR] = mask_switch
     started = time.monotonic()
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="cp_training_") as tmp:
-        spec = {"package": package, "modes": list(modes), "steps": steps, "tmp": tmp}
+        spec = {"package": package, "modes": list(modes), "steps": steps, "tmp": tmp, "mask_switch": mask_switch}
         procs = [ctx.Process(target=rank_main, args=(rank, spec), daemon=True) for rank in range(WORLD_SIZE)]
         for proc in procs:
             proc.start()
@@ -104,6 +151,8 @@ def launch(package: bool, modes: tuple[str, ...] = MODES, steps: int = 2, deadli
         json.dumps(
             {
                 "package": package,
+                "mask_switch": mask_switch,
+                "modes": list(modes),
                 "ranks": ranks,
                 "exitcodes": [proc.exitcode for proc in procs],
                 "timed_out": timed_out,
@@ -137,12 +186,17 @@ class _Warnings:
 
 def rank_main(rank: int, spec: dict[str, Any]) -> None:
     rec = _Warnings()
-    result: dict[str, Any] = {"rank": rank, "package": spec["package"], "modes": {}}
+    result: dict[str, Any] = {
+        "rank": rank,
+        "package": spec["package"],
+        "mask_env": os.environ.get(MASK_VAR),
+        "modes": {},
+    }
     out_path = os.path.join(spec["tmp"], f"rank{rank}.json")
     code = 0
     try:
         _run_rank(rank, spec, rec, result)
-    except BaseException as exc:  # noqa: BLE001 - anything becomes a result, the test decides
+    except BaseException as exc:
         result["fatal"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()[-4000:]
         code = 1
@@ -161,11 +215,9 @@ def _run_rank(rank: int, spec: dict[str, Any], rec: _Warnings, result: dict[str,
         import diffusers_cudnn_fix  # noqa: F401  (before diffusers: arms the post-import hook)
     import datetime
 
+    import diffusers
     import torch
     import torch.distributed as dist
-
-    import diffusers
-    from diffusers import FluxTransformer2DModel
 
     result["diffusers_version"] = diffusers.__version__
     result["diffusers_file"] = diffusers.__file__
@@ -181,29 +233,14 @@ def _run_rank(rank: int, spec: dict[str, Any], rec: _Warnings, result: dict[str,
         result["package_imported"] = pkg is not None
     result["our_warnings_after_import"] = rec.ours()
 
-    torch.manual_seed(0)
-    base = FluxTransformer2DModel(**FLUX_CONFIG)
-    model16 = copy.deepcopy(base).to(torch.bfloat16)  # the weights every run uses (bf16-exact)
-    del base
-    inputs16, target = _inputs()
+    wanted = [name for name in ("flux", "qwen") if any(CASES[mode][0] == name for mode in spec["modes"])]
+    built = {}  # name -> (bf16 model, inputs, target, cast keys)
+    result["seconds"] = {}
+    for name in wanted:
+        t0 = time.monotonic()
+        built[name] = _build(name)
+        result["seconds"][f"build_{name}"] = round(time.monotonic() - t0, 2)
 
-    if rank == 0:
-        # Before the stand-ins exist: nothing on the reference path can use the ops under test.
-        import standin_kernels
-
-        assert not standin_kernels.is_registered()
-        ref32 = _reference(model16, inputs16, target, torch.float32)
-        ref16 = _reference(model16, inputs16, target, torch.bfloat16)
-        result["reference"] = {
-            "backend": REFERENCE_BACKEND,
-            "loss32": ref32["loss"],
-            "loss16": ref16["loss"],
-            "bf16_floor": _compare(ref16["grads"], ref32["grads"]),
-        }
-
-    import standin_kernels
-
-    standin_kernels.register()
     dist.init_process_group(
         "gloo",
         init_method=f"file://{os.path.join(spec['tmp'], 'rendezvous')}",
@@ -211,10 +248,53 @@ def _run_rank(rank: int, spec: dict[str, Any], rec: _Warnings, result: dict[str,
         world_size=WORLD_SIZE,
         timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
     )
+    import standin_kernels
+
+    refs32: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
+    if rank == 0:
+        # Before the stand-ins exist: nothing on the reference path can use the ops under test.
+        assert not standin_kernels.is_registered()
+        result["references"] = {}
+        for name, (model16, inputs16, target, cast) in built.items():
+            t0 = time.monotonic()
+            try:
+                ref32 = _reference(model16, inputs16, target, torch.float32, cast)
+                ref16 = _reference(model16, inputs16, target, torch.bfloat16, cast)
+                if name == "flux":
+                    assert not ref32["no_grad"], f"parameters without a gradient in the reference: {ref32['no_grad']}"
+            except Exception as exc:
+                failed[name] = f"{type(exc).__name__}: {str(exc)[:500]}"
+                result["references"][name] = {"error": failed[name]}
+                continue
+            refs32[name] = ref32
+            result["references"][name] = {
+                "backend": REFERENCE_BACKEND,
+                "loss32": ref32["loss"],
+                "loss16": ref16["loss"],
+                "bf16_floor": _compare(ref16["grads"], ref32["grads"]),
+                "compared_params": len(ref32["grads"]),
+                # Parameters the loss does not reach (QwenImage: the last block's text-stream tail).
+                "no_grad": ref32["no_grad"],
+                "seconds": round(time.monotonic() - t0, 2),
+            }
+    # Both ranks must skip the same cases, or the other one would wait in a collective until the timeout.
+    shared = [failed]
+    dist.broadcast_object_list(shared, src=0)
+    failed = shared[0]
+
+    standin_kernels.register()
     for mode in spec["modes"]:
         t0 = time.monotonic()
-        entry = _train(mode, model16, inputs16, target, spec["steps"], rec, dispatch)
+        name, cp_mode = CASES[mode]
+        if name in failed:
+            result["modes"][mode] = {"status": "reference_raised", "model": name, "error": failed[name]}
+            continue
+        model16, inputs16, target, _ = built[name]
+        entry = _train(cp_mode, model16, inputs16, target, spec["steps"], rec, dispatch)
+        entry["model"] = name
         if rank == 0 and entry.get("grads") is not None:
+            ref32 = refs32[name]
             entry["loss_rel_err"] = abs(entry["loss"][0] - ref32["loss"]) / abs(ref32["loss"])
             entry["compare"] = _compare(entry["grads"], ref32["grads"])
             # This rank's own (partial) gradients: far off, which is why they are summed over the ranks.
@@ -228,6 +308,57 @@ def _run_rank(rank: int, spec: dict[str, Any], rec: _Warnings, result: dict[str,
         result["status_ok_end"] = pkg.status().ok
 
 
+def _build(name: str):
+    """(bf16 model, bf16 inputs, fp32 target, input keys cast with the model) of ``name``, seeded."""
+    import torch
+
+    if name == "flux":
+        from diffusers import FluxTransformer2DModel
+
+        torch.manual_seed(0)
+        base = FluxTransformer2DModel(**FLUX_CONFIG)
+        model16 = copy.deepcopy(base).to(torch.bfloat16)  # the weights every run uses (bf16-exact)
+        del base
+        inputs16, target = _inputs()
+        return model16, inputs16, target, ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep")
+    if name == "qwen":
+        from diffusers import QwenImageTransformer2DModel
+
+        torch.manual_seed(0)
+        model16 = QwenImageTransformer2DModel(**QWEN_CONFIG).to(torch.bfloat16)
+        inputs16, target = _qwen_inputs(model16)
+        return model16, inputs16, target, ("hidden_states", "encoder_hidden_states", "timestep")
+    raise ValueError(name)
+
+
+def _qwen_inputs(model):
+    """Padded prompts: ``encoder_hidden_states_mask`` has zeros (see ``QWEN_TEXT_MASK``)."""
+    import inspect
+
+    import torch
+
+    gen = torch.Generator().manual_seed(2)
+    bf16 = torch.bfloat16
+    batch, txt_tokens = len(QWEN_TEXT_MASK), len(QWEN_TEXT_MASK[0])
+    img_tokens = QWEN_IMG_SHAPE[0] * QWEN_IMG_SHAPE[1] * QWEN_IMG_SHAPE[2]
+    channels = QWEN_CONFIG["in_channels"]
+    inputs = {
+        "hidden_states": torch.randn(batch, img_tokens, channels, generator=gen).to(bf16),
+        "encoder_hidden_states": torch.randn(batch, txt_tokens, QWEN_CONFIG["joint_attention_dim"], generator=gen).to(
+            bf16
+        ),
+        "encoder_hidden_states_mask": torch.tensor(QWEN_TEXT_MASK, dtype=torch.int64),
+        "timestep": torch.tensor([0.5, 0.25]).to(bf16),
+        "img_shapes": [[QWEN_IMG_SHAPE]] * batch,
+    }
+    # 0.36.0's RoPE needs txt_seq_lens (the padded length: the text freqs must cover every token); 0.37.0+
+    # derive it from the mask and deprecate the argument, 0.39.0+ no longer take it.
+    if "max_txt_seq_len" not in inspect.signature(model.pos_embed.forward).parameters:
+        inputs["txt_seq_lens"] = [txt_tokens] * batch
+    target = torch.randn(batch, img_tokens, QWEN_CONFIG["out_channels"], generator=gen)
+    return inputs, target
+
+
 def _inputs():
     import torch
 
@@ -237,7 +368,9 @@ def _inputs():
     txt_ids = torch.zeros(TXT_TOKENS, 3)
     inputs = {
         "hidden_states": torch.randn(BATCH, IMG_TOKENS, FLUX_CONFIG["in_channels"], generator=gen).to(bf16),
-        "encoder_hidden_states": torch.randn(BATCH, TXT_TOKENS, FLUX_CONFIG["joint_attention_dim"], generator=gen).to(bf16),
+        "encoder_hidden_states": torch.randn(BATCH, TXT_TOKENS, FLUX_CONFIG["joint_attention_dim"], generator=gen).to(
+            bf16
+        ),
         "pooled_projections": torch.randn(BATCH, FLUX_CONFIG["pooled_projection_dim"], generator=gen).to(bf16),
         "timestep": torch.tensor([0.5, 0.25]).to(bf16),
         "img_ids": img_ids,
@@ -254,19 +387,16 @@ def _loss(model, inputs, target):
     return torch.nn.functional.mse_loss(out.float(), target)
 
 
-def _reference(model16, inputs16, target, dtype) -> dict[str, Any]:
-    """One process, no parallel config, diffusers' math backend, in ``dtype``."""
-    import torch
-
+def _reference(model16, inputs16, target, dtype, cast: tuple[str, ...]) -> dict[str, Any]:
+    """One process, no parallel config, diffusers' math backend, in ``dtype`` (the ``cast`` inputs too)."""
     model = copy.deepcopy(model16).to(dtype)
     model.set_attention_backend(REFERENCE_BACKEND)
-    inputs = {k: (v.to(dtype) if v.is_floating_point() and k not in ("img_ids", "txt_ids") else v) for k, v in inputs16.items()}
+    inputs = {k: (v.to(dtype) if k in cast else v) for k, v in inputs16.items()}
     loss = _loss(model, inputs, target)
     loss.backward()
     grads = {name: p.grad.detach().float().clone() for name, p in model.named_parameters() if p.grad is not None}
-    missing = [name for name, p in model.named_parameters() if p.grad is None]
-    assert not missing, f"parameters without a gradient in the reference: {missing}"
-    return {"loss": loss.item(), "grads": grads}
+    no_grad = [name for name, p in model.named_parameters() if p.grad is None]
+    return {"loss": loss.item(), "grads": grads, "no_grad": no_grad}
 
 
 def _compare(got: dict, ref: dict) -> dict[str, Any]:
@@ -288,21 +418,37 @@ def _compare(got: dict, ref: dict) -> dict[str, Any]:
 
 
 def _kernel_counter():
-    """A dispatch mode counting calls of the ATen SDPA ops (proof that the step went through the cuDNN ops)."""
+    """A dispatch mode counting calls of the ATen SDPA ops (proof that the step went through the cuDNN ops),
+    and recording the dtype of the ``attn_bias`` each cuDNN call got (``"none"`` without one)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Counter(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
             self.calls: dict[str, int] = {}
+            self.bias: dict[str, list[str]] = {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.__name__.partition(".")[0]
             if "scaled_dot_product" in name:
                 self.calls[name] = self.calls.get(name, 0) + 1
+                if "cudnn" in name:
+                    bias = _attn_bias(func, args, kwargs or {})
+                    seen = self.bias.setdefault(name, [])
+                    text = "none" if bias is None else str(bias.dtype).replace("torch.", "")
+                    if text not in seen:
+                        seen.append(text)
             return func(*args, **(kwargs or {}))
 
     return Counter()
+
+
+def _attn_bias(func, args, kwargs):
+    """The ``attn_bias`` argument of a cuDNN SDPA op call (forward or backward), by its schema name."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == "attn_bias":
+            return kwargs["attn_bias"] if "attn_bias" in kwargs else (args[index] if index < len(args) else None)
+    return None
 
 
 @contextlib.contextmanager
@@ -346,7 +492,7 @@ def _train(mode, model16, inputs16, target, steps, rec: _Warnings, dispatch) -> 
     entry: dict[str, Any] = {"status": "ok", "loss": [], "our_warnings_after_step": []}
     try:
         model, seam = _parallelise(model16, mode)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         entry.update(status="setup_raised", error=f"{type(exc).__name__}: {str(exc)[:500]}")
         return entry
     entry["seam"] = seam
@@ -366,16 +512,20 @@ def _train(mode, model16, inputs16, target, steps, rec: _Warnings, dispatch) -> 
             with counter:
                 loss = _loss(model, inputs16, target)
                 loss.backward()
-        except Exception as exc:  # noqa: BLE001 - a raising step is a result
+        except Exception as exc:
             entry.update(status="raised", step=step + 1, error=f"{type(exc).__name__}: {str(exc)[:1000]}")
             frames = [f for f in traceback.extract_tb(exc.__traceback__) if "diffusers" in f.filename]
             entry["where"] = [f"{'/'.join(f.filename.split('/')[-2:])}:{f.lineno} {f.name}" for f in frames[-3:]]
             entry["our_warnings_after_step"].append(len(rec.ours()))
             entry.setdefault("kernel_calls", []).append(counter.calls)
+            entry.setdefault("attn_bias", []).append(counter.bias)
             return entry
         entry.setdefault("kernel_calls", []).append(counter.calls)
+        entry.setdefault("attn_bias", []).append(counter.bias)
         params = list(model.parameters())
-        grads = [p.grad.detach().float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32) for p in params]
+        grads = [
+            p.grad.detach().float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32) for p in params
+        ]
         if step == 0:
             entry["local_grads"] = {name: g.clone() for name, g in zip(names, grads)}
         flat = torch.cat([g.reshape(-1) for g in grads])

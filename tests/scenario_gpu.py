@@ -23,10 +23,10 @@ import types
 import warnings
 from typing import Any
 
-import diffusers_cudnn_fix  # noqa: F401  (first: the hook is armed before diffusers loads)
 import diffusers.models.attention_dispatch as module
 import torch
 
+import diffusers_cudnn_fix
 from diffusers_cudnn_fix import _probe as probe
 
 DEVICE = torch.device("cuda", 0)
@@ -41,12 +41,25 @@ def _errors(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[
     return out
 
 
+def _as_dict(result: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result.as_dict()
+
+
+def _forget_probes() -> None:
+    """Let the next probe on the device run afresh (its verdict lives in ``_devices`` from this version on)."""
+    from diffusers_cudnn_fix import _devices
+
+    _devices._results.clear()
+
+
 def probes() -> dict[str, Any]:
     diffusers_cudnn_fix.revert()
-    shipped = probe.probe(DEVICE).as_dict()
-    probe._results.clear()  # let the corrected ops be probed afresh
+    shipped = _as_dict(probe.probe(DEVICE))
+    _forget_probes()  # let the corrected ops be probed afresh
     diffusers_cudnn_fix.apply()
-    corrected = probe.probe(DEVICE).as_dict()
+    corrected = _as_dict(probe.probe(DEVICE))
     return {"shipped": shipped, "corrected": corrected}
 
 
@@ -66,14 +79,22 @@ def ulysses_nccl() -> dict[str, Any]:
         )
     )
     results = {}
-    for case in probe.CASES[:1] + (("heads_ne_seq", 2, 128, 128, 8, 64),):
+    for case in (*probe.CASES[:1], ("heads_ne_seq", 2, 128, 128, 8, 64)):
         q, k, v, grad = probe._inputs(case, DEVICE)
         golden = probe.reference(case, DEVICE, torch.float32)
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
         try:
             out = module.TemplatedUlyssesAttention.apply(
-                *leaves, None, 0.0, False, None, False, False,
-                module._cudnn_attention_forward_op, module._cudnn_attention_backward_op, config,
+                *leaves,
+                None,
+                0.0,
+                False,
+                None,
+                False,
+                False,
+                module._cudnn_attention_forward_op,
+                module._cudnn_attention_backward_op,
+                config,
             )
             out.backward(grad)
             got = {"out": out.detach(), **dict(zip(("dq", "dk", "dv"), (x.grad for x in leaves)))}
@@ -84,9 +105,11 @@ def ulysses_nccl() -> dict[str, Any]:
                 "errors": errors,
                 "ref_errors": ref_errors,
                 "magnitudes": {n: golden[n].abs().max().item() for n in NAMES},
-                "passed": all(errors[n] <= probe.REFERENCE_FACTOR * ref_errors[n] + probe.ABSOLUTE_SLACK for n in NAMES),
+                "passed": all(
+                    errors[n] <= probe.REFERENCE_FACTOR * ref_errors[n] + probe.ABSOLUTE_SLACK for n in NAMES
+                ),
             }
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             results[case[0]] = {"raised": f"{type(exc).__name__}: {str(exc)[:200]}"}
     return results
 
@@ -108,7 +131,9 @@ class _MaskHarness(torch.autograd.Function):
 def masks() -> dict[str, Any]:
     batch, seq, heads, dim = 1, 64, 2, 64
     gen = torch.Generator(device=DEVICE).manual_seed(7)
-    q, k, v, grad = (torch.randn(batch, seq, heads, dim, generator=gen, device=DEVICE, dtype=torch.bfloat16) for _ in range(4))
+    q, k, v, grad = (
+        torch.randn(batch, seq, heads, dim, generator=gen, device=DEVICE, dtype=torch.bfloat16) for _ in range(4)
+    )
     keep = torch.ones(batch, 1, seq, seq, dtype=torch.bool, device=DEVICE)
     keep[..., seq // 2 :: 3] = False
     keep[..., -1, :] = False  # a fully masked query row
@@ -127,29 +152,44 @@ def masks() -> dict[str, Any]:
                 warnings.simplefilter("ignore")
                 out = _MaskHarness.apply(*leaves, mask)
                 out.backward(grad)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return {"raised": f"{type(exc).__name__}: {str(exc)[:160]}"}
         got = {"out": out.detach(), **dict(zip(("dq", "dk", "dv"), (x.grad for x in leaves)))}
         errs = _errors(got, golden)
-        return {"errors": errs, "dead_row_max": got["out"][:, -1].abs().max().item(),
-                "nan": any(not torch.isfinite(t).all().item() for t in got.values())}
+        return {
+            "errors": errs,
+            "dead_row_max": got["out"][:, -1].abs().max().item(),
+            "nan": any(not torch.isfinite(t).all().item() for t in got.values()),
+        }
 
     results = {"magnitudes": {n: golden[n].abs().max().item() for n in NAMES}}
     for mode in ("warn", "convert", "error"):
         diffusers_cudnn_fix.set_mask_mode(mode)
         results[f"bool mask, mode {mode}"] = run(keep)
     diffusers_cudnn_fix.set_mask_mode("warn")
-    results["additive bf16, fill -inf"] = run(torch.zeros(keep.shape, dtype=torch.bfloat16, device=DEVICE).masked_fill_(~keep, float("-inf")))
-    results["additive bf16, fill finfo.min"] = run(torch.zeros(keep.shape, dtype=torch.bfloat16, device=DEVICE).masked_fill_(~keep, torch.finfo(torch.bfloat16).min))
-    results["additive bf16, fill -65504"] = run(torch.zeros(keep.shape, dtype=torch.bfloat16, device=DEVICE).masked_fill_(~keep, -65504.0))
+    results["additive bf16, fill -inf"] = run(
+        torch.zeros(keep.shape, dtype=torch.bfloat16, device=DEVICE).masked_fill_(~keep, float("-inf"))
+    )
+    results["additive bf16, fill finfo.min"] = run(
+        torch.zeros(keep.shape, dtype=torch.bfloat16, device=DEVICE).masked_fill_(
+            ~keep, torch.finfo(torch.bfloat16).min
+        )
+    )
+    results["additive bf16, fill -65504"] = run(
+        torch.zeros(keep.shape, dtype=torch.bfloat16, device=DEVICE).masked_fill_(~keep, -65504.0)
+    )
     return results
 
 
 def main() -> None:
     import diffusers
 
-    result: dict[str, Any] = {"version": diffusers.__version__, "torch": torch.__version__,
-                              "cudnn": torch.backends.cudnn.version(), "gpu": torch.cuda.get_device_name()}
+    result: dict[str, Any] = {
+        "version": diffusers.__version__,
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+        "gpu": torch.cuda.get_device_name(),
+    }
     result["probes"] = probes()
     result["ulysses_nccl"] = ulysses_nccl()
     result["masks"] = masks()

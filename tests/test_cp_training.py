@@ -1,16 +1,22 @@
-"""One training step of a tiny real Flux transformer under diffusers' own context parallelism, 2 gloo ranks.
+"""One training step of tiny real Flux and QwenImage transformers under diffusers' own context parallelism,
+2 gloo ranks.
 
 Per (release, package imported or not) one job: a fresh launcher interpreter with the release first on
-``PYTHONPATH`` spawns two rank processes, which train Ulysses degree 2 and then ring degree 2 with the
-``_native_cudnn`` backend on the CPU stand-in kernels (``scenario_cp_training.py``). The summed parameter
-gradients are compared with a one-process fp32 reference on diffusers' ``_native_math`` backend:
-relative error per parameter ``max|g_cp - g_ref| / max|g_ref|``, worst over the 62 parameters.
+``PYTHONPATH`` spawns two rank processes, which train the tiny Flux with Ulysses degree 2 and then ring
+degree 2, then the tiny QwenImage with padded prompts (a bool joint attention mask reaches the cuDNN op,
+#14342) with Ulysses degree 2, all with the ``_native_cudnn`` backend on the CPU stand-in kernels
+(``scenario_cp_training.py``). With the package no mask switch is set: the ranks run on its default.
+Two more jobs run only the QwenImage case with ``DIFFUSERS_CUDNN_FIX_MASK=warn`` (the mask passed through as
+upstream does), to show that the test sees the bug. The summed parameter gradients are compared with a
+one-process fp32 reference on diffusers' ``_native_math`` backend: relative error per parameter
+``max|g_cp - g_ref| / max|g_ref|``, worst over the parameters (62 for Flux, 71 for QwenImage).
 
 Tolerance (``TOLERANCE``, 5%): the CP run is bf16 and the reference fp32. The same bf16 model run in one
 process on the math backend is 1.6% off the fp32 reference (the bf16 noise floor, measured in every job as
-``reference.bf16_floor``); correct CP runs (0.40+, or Ulysses with the package) are 2.4-2.6% off, broken ones
+``references[model].bf16_floor``); correct CP runs (0.40+, or Ulysses with the package) are 2.4-2.6% off, broken ones
 260% (ring with the K/V and log-sum-exp fixes) to 3100% (ring as shipped). 5% is ~3x the floor (PyTorch's
 fused-attention tests allow 5x a low-precision reference's error) and ~50x below the smallest broken result.
+QwenImage: floor 2.8%, correct runs 2.5%, the bool mask passed through 103% (0.39.0+).
 
 See docs/cp-training-tests.md.
 """
@@ -29,34 +35,74 @@ pytestmark = pytest.mark.slow
 AFFECTED = ("0.37.0", "0.37.1", "0.38.0", "0.39.0")
 FIXED_UPSTREAM = ("0.40.0", "0.41.0", "0.42.0", "0.42.1")
 MATRIX = AFFECTED + FIXED_UPSTREAM
-MODES = ("ulysses", "ring")
+MODES = ("ulysses", "ring")  # the Flux cases
+QWEN = "qwen_ulysses"  # the QwenImage case (padded prompts, Ulysses degree 2)
+ALL_CASES = (*MODES, QWEN)
+
+#: Releases whose QwenImage ``_cp_plan`` shards ``encoder_hidden_states_mask`` with the sequence in every
+#: block (``"transformer_blocks.*"``) and whose templated Ulysses attention all-gathers that local mask: with
+#: the bool mask converted, padded prompts train correctly.
+QWEN_CORRECT = ("0.39.0", "0.40.0", "0.41.0", "0.42.0", "0.42.1")
+#: 0.38.0's plan does not shard the mask: the joint mask is built once, full length, in the global order
+#: [text, image], while the Ulysses K/V are in the all-to-all order [text_0, image_0, text_1, image_1]. Right
+#: padding then masks image tokens and keeps padding: wrong with or without conversion (upstream, fixed in
+#: 0.39.0; left padding inside rank 0's text shard happens to line up and measures correct).
+QWEN_MASK_LAYOUT_BROKEN = ("0.38.0",)
+#: 0.37.x build a 2-D (B, S) joint mask that F.sdpa broadcasts as (S_q, S_kv): a padded prompt raises even
+#: in one process on the math backend (the reference), so there is nothing to compare and the case is not
+#: run there (the scenario would record ``reference_raised`` for it on both ranks).
+QWEN_MASK_UNSUPPORTED = ("0.37.0", "0.37.1")
+#: Where the QwenImage case also runs with DIFFUSERS_CUDNN_FIX_MASK=warn (one extra job each).
+QWEN_WARN_RELEASES = ("0.39.0", "0.42.1")
+#: A bool mask read as a 0/1 bias must put the gradients at least this far off (measured: 103%).
+MISREAD_MIN_REL_ERR = 0.10
 
 TOLERANCE = 0.05
 LOSS_TOLERANCE = 0.01  # relative; measured 0.11% for every correct run
-#: Attention layers of the tiny Flux (1 double-stream + 1 single-stream block).
+#: Attention layers of the tiny Flux (1 double-stream + 1 single-stream block); the tiny QwenImage has 2
+#: double-stream blocks, one joint attention each.
 ATTENTION_LAYERS = 2
 #: cuDNN forward / backward kernel calls per step and rank: ring runs one per ring step (degree 2).
-KERNEL_CALLS = {"ulysses": ATTENTION_LAYERS, "ring": 2 * ATTENTION_LAYERS}
+KERNEL_CALLS = {"ulysses": ATTENTION_LAYERS, "ring": 2 * ATTENTION_LAYERS, QWEN: 2}
 
 JOB_TIMEOUT_S = 300  # the launcher gives its ranks 240 s, then terminates them
-SCRIPT = "import scenario_cp_training as s; s.launch(package={package!r})"
+SCRIPT = "import scenario_cp_training as s; s.launch(package={package!r}, modes={modes!r}, mask_switch={mask!r})"
 
-_jobs: dict[tuple[str, bool], object] = {}
+_jobs: dict[tuple[str, bool, str | None], object] = {}
 
 
-def job(version: str, package: bool) -> dict:
-    """The (cached) result of one two-rank job; a failure to get one is cached and re-raised too."""
-    key = (version, package)
+def job(version: str, package: bool, mask: str | None = None) -> dict:
+    """The (cached) result of one two-rank job; a failure to get one is cached and re-raised too.
+
+    ``mask``: ``None`` runs every case with ``DIFFUSERS_CUDNN_FIX_MASK`` removed from the ranks' environment
+    (the package's default); a value runs only the QwenImage case with that switch.
+    """
+    key = (version, package, mask)
     if key not in _jobs:
+        modes = cases(version, package, mask)
+        script = SCRIPT.format(package=package, modes=modes, mask=mask)
         try:
-            _jobs[key] = run(release_dir(version), SCRIPT.format(package=package), timeout=JOB_TIMEOUT_S)
-        except BaseException as exc:  # noqa: BLE001
+            _jobs[key] = run(release_dir(version), script, timeout=JOB_TIMEOUT_S)
+        except BaseException as exc:
             _jobs[key] = exc
     result = _jobs[key]
     if isinstance(result, BaseException):
         raise result
-    _check_job(version, package, result)
+    _check_job(version, package, mask, result)
     return result
+
+
+def cases(version: str, package: bool, mask: str | None) -> tuple[str, ...]:
+    """The cases one job runs: the Flux ones always (unless a mask switch is given: QwenImage only), the
+    QwenImage one where it says something (with the package: wherever a padded prompt runs at all, 0.36.0
+    recorded; without: 0.40.0+, where it runs and shows #14342 as shipped; elsewhere the step raises anyway)."""
+    if mask is not None:
+        return (QWEN,)
+    if package:
+        qwen = version not in QWEN_MASK_UNSUPPORTED
+    else:
+        qwen = version in FIXED_UPSTREAM
+    return ALL_CASES if qwen else MODES
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -67,18 +113,28 @@ def _summary():
     if not path:
         return
     summary = {}
-    for (version, package), result in sorted(_jobs.items()):
-        key = f"{version}-{'with' if package else 'without'}"
+    for (version, package, mask), result in sorted(
+        _jobs.items(), key=lambda item: (item[0][0], item[0][1], item[0][2] or "")
+    ):
+        key = f"{version}-{'with' if package else 'without'}" + (f"-mask={mask}" if mask else "")
         if isinstance(result, BaseException):
             summary[key] = {"job_error": repr(result)[:500]}
             continue
         rank0 = result["ranks"][0]
         summary[key] = {
             "wall_s": result["wall_s"],
-            "bf16_floor": rank0.get("reference", {}).get("bf16_floor", {}).get("worst"),
+            "seconds": {
+                **rank0.get("seconds", {}),
+                **{f"reference_{n}": r.get("seconds") for n, r in rank0.get("references", {}).items()},
+            },
+            "bf16_floor": {
+                name: ref.get("bf16_floor", {}).get("worst", ref.get("error"))
+                for name, ref in rank0.get("references", {}).items()
+            },
             **{
                 mode: {
                     "status": entry["status"],
+                    "attn_bias": entry.get("attn_bias"),
                     "worst": entry.get("compare", {}).get("worst"),
                     "worst_param": entry.get("compare", {}).get("worst_param"),
                     "local_worst": entry.get("local_worst"),
@@ -86,6 +142,7 @@ def _summary():
                     "error": (entry.get("error") or "")[:200] or None,
                     "where": entry.get("where"),
                     "seam": entry.get("seam"),
+                    "seconds": entry.get("seconds"),
                     "our_warnings_after_step": entry.get("our_warnings_after_step"),
                 }
                 for mode, entry in rank0.get("modes", {}).items()
@@ -95,12 +152,14 @@ def _summary():
         json.dump(summary, f, indent=1)
 
 
-def _check_job(version: str, package: bool, result: dict) -> None:
+def _check_job(version: str, package: bool, mask: str | None, result: dict) -> None:
     assert not result["timed_out"], f"ranks {result['timed_out']} timed out:\n{result['_stderr'][-4000:]}"
     for rank in result["ranks"]:
         assert "fatal" not in rank, f"rank {rank['rank']} failed: {rank.get('traceback', rank['fatal'])}"
         assert rank["diffusers_version"] == version
         assert rank["diffusers_file"].startswith(str(release_dir(version))), rank["diffusers_file"]
+        # The ranks saw exactly the mask switch asked for (None: not set at all, the package's default).
+        assert rank["mask_env"] == mask, (rank["mask_env"], mask)
         if not package:
             assert rank["package_imported"] is False, "diffusers_cudnn_fix was imported in a 'without' run"
     assert result["exitcodes"] == [0, 0], result
@@ -113,6 +172,11 @@ def modes(result: dict, mode: str) -> list[dict]:
 
 def worst(entry: dict) -> float:
     return entry["compare"]["worst"]
+
+
+def biases(entry: dict) -> set[str]:
+    """The attn_bias dtypes the cuDNN kernels (forward and backward) got over the steps (``"none"``: none)."""
+    return {dtype for step in entry.get("attn_bias", []) for dtypes in step.values() for dtype in dtypes}
 
 
 def describe(entry: dict) -> str:
@@ -133,7 +197,7 @@ def assert_correct(result: dict, mode: str, record) -> None:
     rank0 = entries[0]
     record("worst_rel_err", worst(rank0))
     record("worst_param", rank0["compare"]["worst_param"])
-    record("bf16_floor", result["ranks"][0]["reference"]["bf16_floor"]["worst"])
+    record("bf16_floor", result["ranks"][0]["references"][rank0["model"]]["bf16_floor"]["worst"])
     assert worst(rank0) <= TOLERANCE, describe(rank0)
     # Non-vacuity of the all-reduce: diffusers syncs no gradients, one rank's own are partial sums, far off.
     assert rank0["local_worst"] > TOLERANCE, rank0["local_worst"]
@@ -194,9 +258,9 @@ def test_our_warnings_do_not_repeat_per_step(version: str) -> None:
     result = job(version, True)
     for rank in result["ranks"]:
         for mode, entry in rank["modes"].items():
+            if entry["status"] != "ok":
+                continue  # raised: only one step ran; reference_raised: none ran
             counts = entry["our_warnings_after_step"]
-            if entry["status"] == "raised":
-                continue  # only one step ran
             assert len(counts) == 2, (mode, entry)
             assert counts[1] == counts[0], (rank["rank"], mode, counts, entry.get("our_warning_messages"))
 
@@ -206,15 +270,75 @@ def test_036_recorded(record_property) -> None:
     (on the stand-ins at the missing log-sum-exp; past that, its backward returns 11 gradients for 12 inputs).
     What the package does there is for the guards to decide (with its ``ulysses_grad_count`` fix the Ulysses
     step measured correct). Ring raises in ``TemplatedRingAttention.forward`` on torch >= 2.9 (0.36.0
-    unsqueezes the already 4-D cuDNN log-sum-exp), with or without the package.
+    unsqueezes the already 4-D cuDNN log-sum-exp), with or without the package. QwenImage: 0.36.0's attention
+    processor ignores ``encoder_hidden_states_mask`` (no mask reaches any backend, the reference included).
     """
     outcomes = {}
     for package in (False, True):
         result = job("0.36.0", package)
-        for mode in MODES:
+        for mode in cases("0.36.0", package, None):
             rank0 = modes(result, mode)[0]
             outcomes[_id("0.36.0", mode, package)] = describe(rank0)
     for key, text in outcomes.items():
         record_property(key, text)
     print(outcomes)
     assert all(e["status"] == "raised" for e in modes(job("0.36.0", False), "ulysses"))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# QwenImage with padded prompts: the bool joint attention mask reaching the cuDNN op (#14342)
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("version", QWEN_CORRECT)
+def test_qwen_padded_prompts_default(version: str, record_property) -> None:
+    """With the package and no mask switch (its default): correct, and the mask reached the op converted."""
+    result = job(version, True)
+    assert_correct(result, QWEN, record_property)
+    for entry in modes(result, QWEN):
+        # Every cuDNN call got a mask, in q's dtype: the bool mask was built, sharded and converted.
+        assert biases(entry) == {"bfloat16"}, entry.get("attn_bias")
+
+
+@pytest.mark.parametrize("version", QWEN_WARN_RELEASES)
+def test_qwen_padded_prompts_warn_is_far_off(version: str, record_property) -> None:
+    """The same run with DIFFUSERS_CUDNN_FIX_MASK=warn (the bool mask passed through): far off. This is the
+    test seeing the bug; if it ever passes through and stays within tolerance, the case no longer tests it."""
+    result = job(version, True, "warn")
+    entries = modes(result, QWEN)
+    for entry in entries:
+        assert entry["status"] == "ok", describe(entry)
+        assert biases(entry) == {"bool"}, entry.get("attn_bias")
+    rank0 = entries[0]
+    record_property("worst_rel_err", worst(rank0))
+    assert worst(rank0) > MISREAD_MIN_REL_ERR, describe(rank0)
+    for rank in result["ranks"]:
+        assert any(w.startswith("MaskMisreadWarning") for w in rank["modes"][QWEN]["our_warning_messages"]), rank
+
+
+@pytest.mark.parametrize("version", FIXED_UPSTREAM)
+def test_qwen_padded_prompts_without_package(version: str, record_property) -> None:
+    """As shipped, 0.40.0+: runs, and is far off (the bool mask is read as a 0/1 bias; #14342 is open).
+    (On 0.37.0-0.39.0 the Ulysses step raises on the stand-ins without the package, as for Flux.)"""
+    result = job(version, False)
+    entries = modes(result, QWEN)
+    rank0 = entries[0]
+    assert rank0["status"] == "ok", describe(rank0)
+    for entry in entries:
+        assert biases(entry) == {"bool"}, entry.get("attn_bias")
+    record_property("worst_rel_err", worst(rank0))
+    assert worst(rank0) > MISREAD_MIN_REL_ERR, describe(rank0)
+
+
+@pytest.mark.parametrize("version", QWEN_MASK_LAYOUT_BROKEN)
+def test_qwen_padded_prompts_upstream_limits(version: str, record_property) -> None:
+    """Where diffusers itself lays the padded-prompt mask out wrong under Ulysses (0.38.0, see
+    ``QWEN_MASK_LAYOUT_BROKEN``): the mask reaches the op converted and the step is still far off, or the
+    package refuses it with its own error. Either way not silently within tolerance."""
+    result = job(version, True)
+    entries = modes(result, QWEN)
+    rank0 = entries[0]
+    record_property("outcome", describe(rank0))
+    if all(e["status"] == "raised" for e in entries) and "diffusers_cudnn_fix" in rank0["error"]:
+        return  # a refusal by the package is an acceptable answer here
+    assert rank0["status"] == "ok", describe(rank0)
+    assert biases(rank0) == {"bfloat16"}, rank0.get("attn_bias")  # converted, but laid out wrong upstream
+    assert worst(rank0) > TOLERANCE, describe(rank0)

@@ -3,16 +3,32 @@
 Each release runs ``scenario_gpu.py`` in a fresh interpreter. Set ``DIFFUSERS_CUDNN_FIX_RESULTS`` to a folder
 to keep each release's raw JSON (``gpu-results-<version>.json``); results/ in the repository holds the ones
 quoted in the README.
+
+The launch matrix (``test_launch_order``): {package imported first, diffusers first} x {CUDA untouched before
+the imports, CUDA initialised, a one-rank NCCL group initialised} x {0.36.0, 0.39.0, 0.42.1}, plus one run
+under a real ``torchrun --nproc-per-node 1``; each case is ``scenario_launch.py`` in its own process group
+with a timeout (``DCF_LAUNCH_TIMEOUT``, default 90 s; a case takes 10-15 s): a hang fails that case, with
+the hung process's stacks (faulthandler, 10 s before the timeout) in the failure, and the group is killed.
+The cases run side by side (``DCF_LAUNCH_JOBS``, default 8) on the one GPU. Raw JSON:
+``launch-<version>-<order>-<state>.json``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
-from releases import release_dir, run
+from releases import ROOT, TESTS, release_dir, run
 
 pytestmark = pytest.mark.gpu
 
@@ -58,3 +74,131 @@ def test_mask_conversion_against_math_sdpa(gpu_result: dict) -> None:
     passed_through = masks["bool mask, mode warn"]
     assert passed_through["errors"]["out"] > 0.5, passed_through  # the bug, on real cuDNN
     assert "UnsafeAttentionError" in masks["bool mask, mode error"]["raised"]
+
+
+# --- launch orders -----------------------------------------------------------------------------------------
+
+ORDERS = ("package_first", "diffusers_first")
+CUDA_STATES = ("cold", "cuda", "nccl")
+LAUNCH_CASES = (
+    *((v, o, c) for v in RELEASES for o in ORDERS for c in CUDA_STATES),
+    ("0.39.0", "package_first", "torchrun"),
+)
+LAUNCH_TIMEOUT = float(os.environ.get("DCF_LAUNCH_TIMEOUT", "90"))
+LAUNCH_JOBS = int(os.environ.get("DCF_LAUNCH_JOBS", "8"))
+_SWITCHES = ("DIFFUSERS_CUDNN_FIX", "DIFFUSERS_CUDNN_FIX_SKIP", "DIFFUSERS_CUDNN_FIX_MASK", "DIFFUSERS_CUDNN_FIX_PROBE")
+
+
+def _case_id(case: tuple[str, str, str]) -> str:
+    return "-".join(case)
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct free TCP ports on 127.0.0.1 (held together while picked, so they differ)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _launch(case: tuple[str, str, str], port: int) -> dict[str, Any]:
+    """One case in a fresh process group; killed (the whole group) at the timeout."""
+    version, order, state = case
+    env = {k: v for k, v in os.environ.items() if k not in _SWITCHES}
+    paths = [str(release_dir(version)), str(ROOT), str(TESTS)]
+    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("PYTHONWARNINGS", "default")
+    env["DCF_LAUNCH_TIMEOUT"] = str(LAUNCH_TIMEOUT)
+    result_file = Path(tempfile.mkdtemp(prefix="dcf-launch-")) / "result.json"
+    env["DCF_LAUNCH_RESULT"] = str(result_file)
+    script = [str(TESTS / "scenario_launch.py"), "--order", order, "--cuda", state]
+    if state == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", *script]
+    else:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        cmd = [sys.executable, *script]
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    if os.environ.get("DCF_PGID_FILE"):  # gpu_session.sh ends any group left behind if pytest itself is stopped
+        with open(os.environ["DCF_PGID_FILE"], "a") as fh:
+            fh.write(f"{proc.pid}\n")
+    timed_out = False
+    try:
+        stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        stdout, stderr = proc.communicate()
+    wall = time.perf_counter() - start
+    try:  # whatever is left of the group (a torchrun worker, an NCCL helper): gone before the next case
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    result: dict[str, Any] = {}
+    if result_file.exists() and result_file.read_text().strip():
+        result = json.loads(result_file.read_text())
+    # A hang: killed at the timeout, or faulthandler's dump ("Timeout (0:01:20)!") and exit before it.
+    hung = timed_out or (not result and "Timeout (" in stderr)
+    result.update(
+        case=_case_id(case),
+        release=version,
+        returncode=proc.returncode,
+        timed_out=timed_out,
+        hung=hung,
+        wall_s=round(wall, 2),
+        command=" ".join(cmd[1:]),
+        stderr_tail=stderr[-6000:],
+        stdout_tail=stdout[-2000:] if not result else "",
+    )
+    folder = os.environ.get("DIFFUSERS_CUDNN_FIX_RESULTS")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        Path(folder, f"launch-{_case_id(case)}.json").write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+@pytest.fixture(scope="module")
+def launch_results() -> dict[str, dict[str, Any]]:
+    """Every launch case, run side by side (each its own process group and timeout)."""
+    for version in RELEASES:
+        release_dir(version)  # installed before the clock starts
+    ports = _free_ports(len(LAUNCH_CASES))
+    with ThreadPoolExecutor(max_workers=LAUNCH_JOBS) as pool:
+        done = list(pool.map(_launch, LAUNCH_CASES, ports))
+    return {r["case"]: r for r in done}
+
+
+@pytest.mark.parametrize("case", LAUNCH_CASES, ids=_case_id)
+def test_launch_order(case: tuple[str, str, str], launch_results: dict[str, dict[str, Any]]) -> None:
+    r = launch_results[_case_id(case)]
+    assert not r["hung"], f"HANG: no result within {LAUNCH_TIMEOUT:.0f} s; stacks:\n{r['stderr_tail']}"
+    assert r["returncode"] == 0, f"exit status {r['returncode']}\n{r['stderr_tail']}"
+    assert "raised" not in r, f"{r.get('raised')}\n{r.get('traceback')}"
+    assert r["version"] == case[0]
+    after = r["after_imports"]
+    assert after["probes"] == [], f"the probe ran inside an import: {after['probes']}"
+    if case[2] == "cold":
+        assert not after["cuda_initialised"], "an import initialised CUDA"
+    for name, res in r["ulysses"].items():
+        if name == "rule":
+            continue
+        assert "raised" not in res, (name, res)
+        assert res["passed"], (name, res)
+    probes = r["probes_after"]
+    assert len(probes) == 1, f"expected one probe result, got {probes}"
+    (p,) = probes
+    assert p["device"] == "cuda:0", p
+    assert p["state"] == "passed", p
+    assert "runs" in p, f"ProbeResult has no run count: {sorted(p)}"
+    assert p["runs"] == 1, p

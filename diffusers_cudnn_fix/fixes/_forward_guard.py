@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .. import _devices
+from .._layout import realigned
 
 #: Looks at the inputs and returns the mask to pass on (the same one, a converted one), or raises.
 Check = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], "torch.Tensor | None"]
@@ -33,7 +34,13 @@ def guard_forward(inner: Callable[..., Any], check: Check) -> Callable[..., Any]
         **kwargs: Any,
     ) -> Any:
         _devices.on_cuda_call(query)  # the GPU probe, once per CUDA device (also where nothing is corrected)
-        return inner(ctx, query, key, value, check(query, key, value, attn_mask), *args, **kwargs)
+        attn_mask = check(query, key, value, attn_mask)
+        # Views at an odd offset reach the kernel as they are on every release (a contiguous view is not
+        # copied by the ops' .contiguous()), and cuDNN misreads them: hand it aligned memory.
+        query, key, value = realigned(query), realigned(key), realigned(value)
+        if attn_mask is not None:
+            attn_mask = realigned(attn_mask)
+        return inner(ctx, query, key, value, attn_mask, *args, **kwargs)
 
     cudnn_attention_forward_op.__doc__ = f"diffusers' cuDNN forward op behind {check.__module__}.{check.__name__}."
     return cudnn_attention_forward_op

@@ -24,6 +24,7 @@ Revert: the object that was there before is put back (the registry keeps it).
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 import weakref
@@ -63,7 +64,7 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _converted(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     global _last
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or mask.is_inference():  # an inference tensor has no version counter
         return additive_mask(mask, dtype)
     last = _last
     if last is not None and last[0]() is mask and last[1] == mask._version and last[2] == dtype:
@@ -78,13 +79,22 @@ def _forget(_: object) -> None:
     _last = None  # the source mask is gone: do not keep its conversion alive
 
 
+_NOT_CALLERS = frozenset({"diffusers", "torch", "diffusers_cudnn_fix", "importlib", "contextlib", "functools"})
+
+
 def _warn_once(category: type[Warning], message: str) -> None:
+    """Warn once per process, filed under the first frame outside diffusers, torch and this package."""
     if category in _warned or torch.compiler.is_compiling():
         return
     _warned.add(category)
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _NOT_CALLERS:
+        frame = frame.f_back
+    filename, lineno, module = frame.f_code.co_filename, frame.f_lineno, frame.f_globals.get("__name__", "")
+    message = f"{message} Called from {filename}:{lineno}."
     logger.warning(message)
     try:
-        warnings.warn(message, category, stacklevel=4)
+        warnings.warn_explicit(message, category, filename, lineno, module=module)
     except Warning:
         pass  # an "error" filter must not turn a notice into a crash; it is logged above
 
