@@ -11,8 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -43,7 +42,6 @@ class ProbeResult:
     ms: float = 0.0
     runs: int = 1  # how often the probe ran on this device in this process
     trigger: str = ""  # what started it: "first CUDA call" or "probe()"
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 _results: dict[str, ProbeResult] = {}

@@ -58,10 +58,6 @@ def disarm() -> None:
     _active = False
 
 
-def armed() -> bool:
-    return _active
-
-
 def install_prober() -> None:
     """Point the corrected ops at the GPU probe (importing it here, on the patching thread)."""
     from . import _devices, _probe

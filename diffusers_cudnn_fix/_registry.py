@@ -67,10 +67,6 @@ def _fixes() -> tuple[Fix, ...]:
     return ALL_FIXES
 
 
-def torch_missing() -> bool:
-    return not _fixes()
-
-
 def _skip_spellings() -> dict[str, str]:
     """Every spelling ``DIFFUSERS_CUDNN_FIX_SKIP`` accepts (ids and old ids) -> the fix id."""
     return {name: fix.id for fix in _fixes() for name in (fix.id, *fix.old_ids)}
