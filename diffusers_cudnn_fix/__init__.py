@@ -1,22 +1,64 @@
 """Correct gradients for diffusers' context-parallel cuDNN / native-flash attention.
 
-``import diffusers_cudnn_fix`` is all a user does: a post-import hook checks
-``diffusers.models.attention_dispatch`` when it is imported (or at once, if it already is) and replaces
-only the ops the check shows broken. The import itself loads neither torch nor diffusers, starts no
-thread and never initialises CUDA. A GPU probe checks the ops once per CUDA device, at their first CUDA
-call (or when asked: :func:`probe`, ``python -m diffusers_cudnn_fix``).
+Importing the package is all a user does, once, at the top of the training entry point (the script every
+rank runs), before or after diffusers::
 
-Public API: :func:`apply`, :func:`revert`, :func:`status` (a :class:`Report`), :func:`probe`,
-:func:`is_patched`, :func:`get_original`, :func:`set_mask_mode`, :func:`set_probe_mode`, the warning
-categories and :class:`UnsafeAttentionError`.
+    import diffusers_cudnn_fix  # noqa: F401
+    import diffusers
 
-Switches (environment; values are case-insensitive; docs/behaviour.md has the whole contract):
+A post-import hook checks ``diffusers.models.attention_dispatch`` when it is imported (or at once, if it
+already is) and replaces only the ops the check shows broken. The import itself loads neither torch nor
+diffusers, starts no thread and never initialises CUDA, so it is safe in torchrun ranks and forked
+DataLoader workers. A GPU probe checks the ops once per CUDA device, at their first CUDA call (or when
+asked: :func:`probe`, ``python -m diffusers_cudnn_fix``).
 
-- ``DIFFUSERS_CUDNN_FIX=0`` turns the package off (``1``, the default, leaves it on);
-- ``DIFFUSERS_CUDNN_FIX_SKIP=id,...`` leaves named fixes alone (they are still checked and reported);
+With torchrun (the import above in ``train.py``; every rank imports it)::
+
+    torchrun --nproc-per-node 8 train.py
+
+A training script that cannot be edited (diffusers' example scripts, a framework's entry point) runs
+through the launcher instead, which makes every Python process of the command import the package first
+(torchrun and accelerate workers included); its exit status and signals pass through::
+
+    diffusers-cudnn-fix run -- torchrun --nproc-per-node 8 train_dreambooth_flux.py ...
+    python -m diffusers_cudnn_fix run -- accelerate launch train.py ...
+
+``diffusers-cudnn-fix`` alone (or ``python -m diffusers_cudnn_fix``) is the doctor: what to do next, each
+fix's state, and on a GPU the ops' errors as shipped and corrected; ``--help`` lists its exit statuses.
+
+Public API:
+
+- :func:`apply` / :func:`revert`: install the fixes the check finds needed / put back the exact objects
+  diffusers shipped (both idempotent and thread-safe; ``revert()`` before diffusers is imported disarms
+  the hook, ``apply()`` re-arms it);
+- :func:`status`: a :class:`Report` (plain immutable data: ``enabled``, ``diffusers_version``,
+  ``torch_version``, ``module_loaded``, ``fixes`` (per fix: ``id``, ``title``, ``expected`` by the release
+  table, ``detected`` by the check, ``applied``, ``reason``), ``stale_references``, ``probes``,
+  ``problem``; ``.ok``, ``.to_dict()``, ``str()``). :class:`Report` is exported for type annotations;
+- :func:`probe` ``(device=None)``: run the GPU probe now on ``device`` (default: the current CUDA device)
+  and return its result (``device``, ``state`` ``"passed"`` / ``"failed"`` / ``"skipped"``, ``reason``,
+  per-case errors); it never raises for a failing op;
+- :func:`set_probe_mode` ``("warn" | "strict" | "off")`` and :func:`set_mask_mode`
+  ``("convert" | "warn" | "error")``: the API twins of the switches below; they win over the environment
+  and raise ``ValueError`` for a bad value;
+- :func:`is_patched` ``(attr)`` and :func:`get_original` ``(attr)``: whether
+  ``diffusers.models.attention_dispatch.<attr>`` is our replacement now, and the object diffusers shipped;
+- the warning categories (:class:`DiffusersCudnnFixWarning` and its subclasses, all ``RuntimeWarning``)
+  and :class:`UnsafeAttentionError`, raised where a result would be wrong and cannot be corrected.
+
+Switches (environment, read when used; values are case-insensitive; a bad value gives one
+:class:`SwitchValueWarning` saying what is used instead; docs/behaviour.md has the whole contract):
+
+- ``DIFFUSERS_CUDNN_FIX=0`` (or ``off`` / ``false`` / ``no``) turns the package off; ``1``, the default,
+  leaves it on; a bad value means on;
+- ``DIFFUSERS_CUDNN_FIX_SKIP=id,...`` leaves the named fixes alone (they are still checked, and
+  :func:`status` says the bug stays); unknown ids are ignored;
 - ``DIFFUSERS_CUDNN_FIX_MASK=convert|warn|error`` (or :func:`set_mask_mode`): what happens to a bool or
-  wrongly typed mask reaching the cuDNN context-parallel op; ``convert`` is the default;
-- ``DIFFUSERS_CUDNN_FIX_PROBE=warn|strict|off`` (or :func:`set_probe_mode`): what a failed GPU probe does.
+  wrongly typed mask reaching the cuDNN context-parallel op: converted to an additive mask in q's dtype
+  (``convert``, the default and what a bad value means), passed through with a warning, or refused;
+- ``DIFFUSERS_CUDNN_FIX_PROBE=warn|strict|off`` (or :func:`set_probe_mode`): what a failed GPU probe
+  does: a ``ProbeFailedWarning`` (``warn``, the default), an :class:`UnsafeAttentionError` at every call
+  of a corrected op on that device (``strict``, what a bad value means), or no probe at all (``off``).
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
-"""``python -m diffusers_cudnn_fix`` / ``diffusers-cudnn-fix``: the doctor.
+"""``python -m diffusers_cudnn_fix`` / ``diffusers-cudnn-fix``: the doctor, and the launcher.
 
-Prints versions (diffusers, torch, CUDA, cuDNN, GPU), each fix's state, what the behavioural check saw
-reach the ATen ops before and after patching, and on a GPU an error table like the upstream report: the ops
-"as shipped" and "corrected", out / dQ / dK / dV max-abs error against fp32, and the reference magnitudes.
-
-Exit status:
-    0  everything the installed diffusers needs is active, and verified on this GPU by the probe;
-    1  something needed is not active, or the GPU probe failed;
-    2  diffusers (or torch) cannot be imported;
-    3  everything needed is active, but there is no usable GPU here to verify it on.
+The doctor (no command, or ``doctor``) says first what to do next, then shows versions (diffusers, torch,
+CUDA, cuDNN, GPU), each fix's state, and on a GPU an error table like the upstream report: the ops "as
+shipped" and "corrected", out / dQ / dK / dV max-abs error against fp32, and the reference magnitudes.
+The fixes it shows are active in the doctor's own process only: a training run needs
+``import diffusers_cudnn_fix`` in its entry point, or to be started through the launcher
+(``diffusers-cudnn-fix run -- COMMAND [ARGS...]``, see ``_launcher.py``).
 """
 
 from __future__ import annotations
@@ -16,12 +13,113 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
-from typing import Any
+import textwrap
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from . import _launcher
 
 EXIT_OK, EXIT_NOT_SAFE, EXIT_NO_DIFFUSERS, EXIT_UNVERIFIED = 0, 1, 2, 3
+#: A switch or argument the command line does not take (BSD ``sysexits.h``'s EX_USAGE): kept apart from 2,
+#: which says that diffusers cannot be imported.
+EXIT_USAGE = 64
+
+PROG = "diffusers-cudnn-fix"
+
+DOCTOR_EXIT_STATUSES = f"""\
+exit status of the doctor:
+  0   nothing to fix here (this diffusers needs none of the fixes), or everything it needs is
+      active in the doctor's process and the GPU probe verified it on this GPU
+  1   something this diffusers needs is not active (package switched off, a fix skipped, or
+      a replacement that failed its check), or the GPU probe failed
+  2   diffusers (or torch) cannot be imported
+  3   everything needed is active, but there is no usable GPU here to verify it on
+  {EXIT_USAGE}  usage error: an unknown switch or argument
+"""
+
+RUN_EXIT_STATUSES = f"""\
+exit status of "run":
+  the command's own: the launcher becomes the command, so a command ended by a signal ends
+  by that signal (a shell shows 128 + its number), as if it had been started directly;
+  {_launcher.EXIT_NOT_EXECUTABLE} the command was found but cannot be run
+  {_launcher.EXIT_NOT_FOUND} the command is not found
+  {EXIT_USAGE}  usage error: no COMMAND, or an unknown switch before "--"
+"""
+
+ENVIRONMENT = """\
+environment switches (values are case-insensitive):
+  DIFFUSERS_CUDNN_FIX=0|1            0 turns the package off (default 1)
+  DIFFUSERS_CUDNN_FIX_SKIP=id,...    fixes to leave alone (still checked and reported)
+  DIFFUSERS_CUDNN_FIX_MASK=convert|warn|error
+                                     what a bool or wrongly typed mask reaching the cuDNN
+                                     context-parallel op does (default convert)
+  DIFFUSERS_CUDNN_FIX_PROBE=warn|strict|off
+                                     what a failed GPU probe does (default warn)
+"""
+
+DESCRIPTION = """\
+The doctor: checks the installed diffusers' context-parallel cuDNN / native-flash attention ops by
+behaviour, applies the fixes they need in its own process, says what to do next, and on a GPU
+verifies the corrected ops against an fp32 reference.
+
+The fixes are active only in processes that import diffusers_cudnn_fix. Add
+"import diffusers_cudnn_fix" at the top of the training entry point, or start the training
+through the launcher:
+  diffusers-cudnn-fix run -- torchrun --nproc-per-node 8 train.py ...
+"""
+
+RUN_DESCRIPTION = """\
+Run COMMAND with diffusers_cudnn_fix active in every Python process it starts (torchrun,
+accelerate and multiprocessing workers included), without the script importing it. The
+launcher puts a start-up hook first on PYTHONPATH in COMMAND's environment and then becomes
+COMMAND: exit status and signals pass through. Not covered: Python started with -S, -I or -E,
+and children started with an environment that drops PYTHONPATH.
+
+examples:
+  diffusers-cudnn-fix run -- torchrun --nproc-per-node 8 train_dreambooth_flux.py ...
+  python -m diffusers_cudnn_fix run -- accelerate launch train.py ...
+"""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse exits 2 on a usage error; 2 already means "diffusers cannot be imported"."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _parser() -> _Parser:
+    parser = _Parser(
+        prog=PROG,
+        usage=f"{PROG} [doctor] [--json] [--no-gpu] [--verbose]\n       {PROG} run [--] COMMAND [ARGS...]",
+        description=DESCRIPTION,
+        epilog=ENVIRONMENT + "\n" + DOCTOR_EXIT_STATUSES + "\n" + RUN_EXIT_STATUSES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--no-gpu", action="store_true", help="skip the GPU probe and the error table")
+    parser.add_argument(
+        "--verbose", "-v", action="store_true", help="also show each check's evidence, and the checks after patching"
+    )
+    return parser
+
+
+def _run_parser() -> _Parser:
+    return _Parser(
+        prog=f"{PROG} run",
+        usage=f"{PROG} run [--] COMMAND [ARGS...]",
+        description=RUN_DESCRIPTION,
+        epilog=RUN_EXIT_STATUSES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What the doctor finds
+# ------------------------------------------------------------------------------------------------------------
 def _environment() -> dict[str, Any]:
     import torch
 
@@ -72,7 +170,7 @@ def _shipped_vs_corrected(device: Any) -> list[dict[str, Any]]:
             errors = {n: (got[n] - golden[n]).abs().max().item() for n in probe.TENSORS}
             rows.append({"variant": label, "errors": errors, "error": None})
         except Exception as exc:  # noqa: BLE001 - the shipped ops may raise: that is the finding
-            rows.append({"variant": label, "errors": None, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            rows.append({"variant": label, "errors": None, "error": f"{type(exc).__name__}: {exc}"})
     rows.append(
         {
             "variant": "reference magnitudes",
@@ -81,6 +179,30 @@ def _shipped_vs_corrected(device: Any) -> list[dict[str, Any]]:
         }
     )
     return rows
+
+
+def _needs(report_fixes: list[dict[str, Any]], live: dict[str, Any]) -> dict[str, Any]:
+    """What this diffusers needs, from the check of the shipped code (or, where the package is switched off,
+    of the live code, which then is the shipped code)."""
+    from .fixes import ALL_FIXES
+
+    kinds = {fix.id: fix.kind for fix in ALL_FIXES}
+    shipped = {}
+    for f in report_fixes:
+        state = f["detected"]
+        if state in ("disabled", "unchecked", "pending") and f["id"] in live:
+            state = live[f["id"]]["state"]
+        shipped[f["id"]] = state
+    applied = [f["id"] for f in report_fixes if f["applied"]]
+    quiet = ("ok", "absent")
+    return {
+        "shipped_check": shipped,
+        "nothing_to_fix": bool(shipped) and not applied and all(s in quiet for s in shipped.values()),
+        "no_gradient_correction_needed": bool(shipped)
+        and all(s in quiet for i, s in shipped.items() if kinds.get(i) == "correction"),
+        "active_guards": [i for i in applied if kinds.get(i) == "guard"],
+        "applied": applied,
+    }
 
 
 def collect(run_gpu: bool = True) -> tuple[dict[str, Any], int]:
@@ -97,7 +219,8 @@ def collect(run_gpu: bool = True) -> tuple[dict[str, Any], int]:
 
     data: dict[str, Any] = {"environment": _environment()}
     before = diffusers_cudnn_fix.status()
-    data["check_after_patching"] = _check_findings() if before.enabled else {}
+    live = _check_findings()
+    data["check_after_patching"] = live if before.enabled else {}
     gpu = None
     if run_gpu:
         result = probe.probe()
@@ -108,63 +231,227 @@ def collect(run_gpu: bool = True) -> tuple[dict[str, Any], int]:
             data["shipped_vs_corrected"] = _shipped_vs_corrected(__import__("torch").device(gpu))
     report = diffusers_cudnn_fix.status()
     data["status"] = report.to_dict()
+    data.update(_needs(data["status"]["fixes"], live))
     if not report.ok:
         code = EXIT_NOT_SAFE
-    elif gpu is None:
-        code = EXIT_UNVERIFIED
-    else:
+    elif data["nothing_to_fix"] or gpu is not None:
         code = EXIT_OK
+    else:
+        code = EXIT_UNVERIFIED
     data["exit_status"] = code
     return data, code
 
 
-def _print_human(data: dict[str, Any]) -> None:
+# ------------------------------------------------------------------------------------------------------------
+# Text
+# ------------------------------------------------------------------------------------------------------------
+def _wrap(text: str, indent: str, width: int = 100) -> str:
+    """The whole of ``text``, wrapped: nothing the doctor prints is cut."""
+    return textwrap.fill(text, width=width, initial_indent=indent, subsequent_indent=indent, break_long_words=False)
+
+
+def _columns(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
+    """Rows as aligned columns, each as wide as its widest cell."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+#: Outcomes that say all there is to say; any other prints the reason under the title.
+_SELF_EXPLAINING = frozenset(
+    {"corrected", "guarded", "not needed", "no such code", "package off", "NOT ACTIVE (package off)"}
+    | {"skipped", "NOT FIXED (skipped)"}
+)
+
+
+def _outcome(fix: dict[str, Any], kind: str) -> str:
+    if fix["applied"]:
+        return "corrected" if kind == "correction" else "guarded"
+    if fix["detected"] == "disabled":
+        return "NOT ACTIVE (package off)" if fix["needs_attention"] else "package off"
+    if fix["reason"].startswith("skipped"):
+        return "NOT FIXED (skipped)" if fix["needs_attention"] else "skipped"
+    if fix["needs_attention"]:
+        return "NOT FIXED"
+    return {"ok": "not needed", "absent": "no such code"}.get(fix["detected"], fix["detected"])
+
+
+def _next_step(data: dict[str, Any]) -> list[str]:
+    status = data["status"]
+    version = status["diffusers_version"]
+    if not status["ok"] and not status["enabled"]:
+        needed = ", ".join(f["id"] for f in status["fixes"] if f["needs_attention"])
+        return [
+            _wrap(
+                f"NOT SAFE: the package is switched off (DIFFUSERS_CUDNN_FIX=0), and diffusers {version} needs "
+                f"its fixes ({needed}). Unset DIFFUSERS_CUDNN_FIX (or set it to 1) to turn it on.",
+                "",
+            )
+        ]
+    if not status["ok"]:
+        lines = [f"NOT SAFE: diffusers {version} needs fixes that are not active here:"]
+        for f in status["fixes"]:
+            if f["needs_attention"]:
+                lines.append(_wrap(f"{f['id']}: {f['reason']}", "  - "))
+        for p in status["probes"]:
+            if p["state"] == "failed":
+                lines.append(_wrap(f"the GPU probe failed on {p['device']}: {p['reason']} (table below)", "  - "))
+        if any(f["needs_attention"] and f["reason"].startswith("skipped") for f in status["fixes"]):
+            lines.append("Take those ids out of DIFFUSERS_CUDNN_FIX_SKIP, or do not train with this backend under CP.")
+        else:
+            lines.append("Do not train with this backend under context parallelism here; please report this case.")
+        return lines
+    if data["nothing_to_fix"]:
+        return [
+            f"Nothing to fix here: diffusers {version} needs none of this package's fixes. You do not need it;",
+            "imported anyway, it changes nothing.",
+        ]
+    what = "the guards below" if data["no_gradient_correction_needed"] else "the fixes below"
+    lines = [
+        f"NEXT STEP: diffusers {version} needs {what}. The doctor applied them in its own process only;",
+        "make them active in every process of your training run, either way:",
+        "  - add `import diffusers_cudnn_fix` at the top of the training entry point (the script every rank",
+        "    runs), before or after diffusers; or",
+        "  - if you cannot edit it, start the training through the launcher:",
+        f"      {PROG} run -- torchrun --nproc-per-node 8 train.py ...",
+        f"      {PROG} run -- accelerate launch train.py ...",
+    ]
+    if data["no_gradient_correction_needed"]:
+        guards = ", ".join(data["active_guards"])
+        lines.append("")
+        lines.append(
+            _wrap(
+                f"Can be removed: diffusers {version} needs none of the gradient corrections. The package only "
+                f"guards here ({guards}; what each guards against is in the table below): if your training can "
+                "meet none of those cases, you can remove it.",
+                "",
+            )
+        )
+    return lines
+
+
+def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
     if "error" in data:
         print(f"diffusers_cudnn_fix doctor: {data['error']}")
+        print("Install diffusers and torch into this interpreter (the one that runs the training), then run the")
+        print("doctor again.")
+        print(f"\nexit status {EXIT_NO_DIFFUSERS}")
         return
-    import diffusers_cudnn_fix
+    from .fixes import ALL_FIXES
+
+    fixes_by_id = {fix.id: fix for fix in ALL_FIXES}
+    status = data["status"]
+    for line in _next_step(data):
+        print(line)
 
     env = data["environment"]
-    print(f"python {env['python']}, torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, GPU {env['gpu']}")
-    print(diffusers_cudnn_fix.status())
-    if data["check_after_patching"]:
+    print(
+        f"\ndiffusers {status['diffusers_version']}, torch {env['torch']}, Python {env['python']}, "
+        f"CUDA {env['cuda'] or 'none'}, cuDNN {env['cudnn'] or 'none'}, GPU {env['gpu'] or 'none'}"
+    )
+    if not status["enabled"]:
+        print("diffusers_cudnn_fix is SWITCHED OFF by DIFFUSERS_CUDNN_FIX=0")
+
+    print("\nfixes (table: the release table lists this release; check: what the check found in the shipped code):")
+    rows = [("fix", "table", "check", "applied", "result")]
+    outcomes = []
+    for f in status["fixes"]:
+        table = {True: "affected", False: "not affected", None: "unknown"}[f["expected"]]
+        kind = fixes_by_id[f["id"]].kind if f["id"] in fixes_by_id else "correction"
+        outcomes.append(_outcome(f, kind))
+        check = data["shipped_check"].get(f["id"], f["detected"])
+        rows.append((f["id"], table, check, "yes" if f["applied"] else "no", outcomes[-1]))
+    lines = _columns(rows)
+    print(lines[0])
+    for f, line, outcome in zip(status["fixes"], lines[1:], outcomes, strict=True):
+        print(line)
+        print(_wrap(f["title"], "      "))
+        fix = fixes_by_id.get(f["id"])
+        if f["applied"] and fix is not None and fix.note is not None:
+            print(_wrap(fix.note(), "      "))
+        if verbose or outcome not in _SELF_EXPLAINING:
+            print(_wrap(f"why: {f['reason']}", "      "))
+    for ref in status["stale_references"]:
+        print(_wrap(f"still holds a shipped function: {ref}", "  "))
+
+    if verbose and data["check_after_patching"]:
         print("\nbehavioural check on the live (patched) ops:")
-        for fix_id, finding in data["check_after_patching"].items():
-            print(f"  {fix_id:<20} {finding['state']:<8} {finding['detail']}")
+        live = data["check_after_patching"]
+        width = max(len(i) for i in live)
+        for fix_id, finding in live.items():
+            print(_wrap(f"{fix_id:<{width}}  {finding['state']:<7} {finding['detail']}", "  "))
+
     probe_data = data.get("probe")
     if probe_data is not None:
         print(f"\nGPU probe: {probe_data['state']} on {probe_data['device']} ({probe_data['reason']})")
         if probe_data["state"] != "skipped":
             print(data["probe_table"])
-    rows = data.get("shipped_vs_corrected")
-    if rows:
+    rows_gpu = data.get("shipped_vs_corrected")
+    if rows_gpu:
         print("\ncuDNN op pair, bf16 B=2 S=16 H=16 D=64, max-abs error vs fp32 eager:")
-        print(f"  {'variant':<22}" + "".join(f"{t:>10}" for t in ("out", "dQ", "dK", "dV")))
-        for row in rows:
+        table_rows = [("variant", "out", "dQ", "dK", "dV")]
+        raised = []
+        for row in rows_gpu:
             if row["error"]:
-                print(f"  {row['variant']:<22}raises {row['error']}")
+                table_rows.append((row["variant"], "raises", "", "", ""))
+                raised.append(row)
             else:
-                print(
-                    f"  {row['variant']:<22}" + "".join(f"{row['errors'][t]:>10.4f}" for t in ("out", "dq", "dk", "dv"))
-                )
-    if data.get("probe", {}).get("state") == "skipped":
+                table_rows.append((row["variant"], *(f"{row['errors'][t]:.4f}" for t in ("out", "dq", "dk", "dv"))))
+        for line in _columns(table_rows):
+            print(line)
+        for row in raised:
+            print(_wrap(f"{row['variant']} raises {row['error']}", "  "))
+    if not data["nothing_to_fix"] and status["ok"] and data.get("probe", {}).get("state") == "skipped":
         print(
-            "\nNot verified on a GPU here: the behavioural check above ran (on CPU, no GPU needed), the GPU "
-            "probe could not. It runs by itself on the first CUDA call of a corrected op."
+            "\n"
+            + _wrap(
+                "Not verified on a GPU here: the behavioural check above ran (on CPU, no GPU needed), the GPU probe "
+                "could not. It runs by itself on the first CUDA call of a corrected op.",
+                "",
+            )
         )
-    print(f"\nexit status {data['exit_status']}")
+    verdict = {
+        EXIT_OK: "OK",
+        EXIT_NOT_SAFE: "NOT SAFE",
+        EXIT_UNVERIFIED: "OK on the check, not verified on a GPU",
+    }[data["exit_status"]]
+    print(f"\nverdict: {verdict} (exit status {data['exit_status']})")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Entry point
+# ------------------------------------------------------------------------------------------------------------
+def _run_command(argv: list[str]) -> int:
+    parser = _run_parser()
+    if argv[:1] == ["--"]:
+        command = argv[1:]
+    elif argv[:1] in (["-h"], ["--help"]):
+        parser.print_help()
+        return EXIT_OK
+    elif argv[:1] and argv[0].startswith("-"):
+        parser.error(f"unknown switch {argv[0]!r} (put -- before COMMAND)")
+    else:
+        command = argv
+    if not command:
+        parser.error("no COMMAND given")
+    return _launcher.run(command)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="diffusers-cudnn-fix", description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    parser.add_argument("--no-gpu", action="store_true", help="skip the GPU probe and the error table")
-    args = parser.parse_args(argv)
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["run"]:
+        return _run_command(args_list[1:])
+    if args_list[:1] == ["doctor"]:
+        args_list = args_list[1:]
+    args = _parser().parse_args(args_list)
     data, code = collect(run_gpu=not args.no_gpu)
-    if args.json:
-        print(json.dumps(data, default=str))
-    else:
-        _print_human(data)
+    try:
+        if args.json:
+            print(json.dumps(data, default=str))
+        else:
+            _print_human(data, verbose=args.verbose)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `diffusers-cudnn-fix | head`: the reader left; no traceback, same status
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python flushes stdout again at exit
     return code
 
 

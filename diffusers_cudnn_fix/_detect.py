@@ -188,17 +188,21 @@ def run_pair(
     mask: torch.Tensor | None = None,
     dtype: torch.dtype = torch.bfloat16,
     key_dtype: torch.dtype | None = None,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> Trace:
     """Run ``forward`` (and ``backward`` on its output) on tiny CPU tensors and record the ATen calls.
 
     Called as diffusers' templated attention calls it in training. ``dtype``: of q (and k, v unless
-    ``key_dtype`` is given). Never raises: an exception becomes ``trace.error`` (the calls recorded before it
-    are kept).
+    ``key_dtype`` is given); ``qkv``: the (B, S, H, D) inputs to use instead. Never raises: an exception
+    becomes ``trace.error`` (the calls recorded before it are kept).
     """
     trace = Trace()
     try:
-        q = torch.empty(BATCH, SEQ_Q, HEADS, HEAD_DIM, dtype=dtype)
-        k, v = (torch.empty(BATCH, SEQ_KV, HEADS, HEAD_DIM, dtype=key_dtype or dtype) for _ in range(2))
+        if qkv is not None:
+            q, k, v = qkv
+        else:
+            q = torch.empty(BATCH, SEQ_Q, HEADS, HEAD_DIM, dtype=dtype)
+            k, v = (torch.empty(BATCH, SEQ_KV, HEADS, HEAD_DIM, dtype=key_dtype or dtype) for _ in range(2))
         ctx = ProbeCtx()
         # no_grad: diffusers calls these ops inside autograd.Function.forward, where grad mode is off.
         with torch.no_grad(), _Recorder(trace):

@@ -32,8 +32,9 @@ def aligned(x: torch.Tensor) -> bool:
 
 def realigned(x: torch.Tensor) -> torch.Tensor:
     """``x``, or a dense copy of it where its data pointer is not on 16 bytes (a view at an odd offset, say:
-    even a contiguous one, which ``.contiguous()`` would hand on as it is)."""
-    if x.device.type != "cuda" or torch.compiler.is_compiling() or x.data_ptr() % ALIGNMENT == 0:
+    even a contiguous one, which ``.contiguous()`` would hand on as it is). On every device, so that the
+    behavioural checks see on the CPU what the GPU kernels get."""
+    if torch.compiler.is_compiling() or x.data_ptr() % ALIGNMENT == 0:
         return x
     return x.clone(memory_format=torch.contiguous_format)
 

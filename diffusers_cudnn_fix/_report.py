@@ -77,11 +77,14 @@ class Report(NamedTuple):
             lines.append(f"  {self.problem}")
         if not self.module_loaded and self.fixes:
             lines.append(f"  {MODULE_NAME} not imported yet: fixes apply when it is")
-        for f in self.fixes:
-            expected = {True: "affected", False: "not affected", None: "unknown"}[f.expected]
+        table = {True: "affected", False: "not affected", None: "unknown"}
+        rows = [(f.id, table[f.expected], f.detected, f.applied, f.reason) for f in self.fixes]
+        # Columns as wide as their longest entry, so that they line up whatever the ids and states.
+        id_w, table_w, check_w = (max((len(str(r[i])) for r in rows), default=0) for i in range(3))
+        for fix_id, expected, detected, applied, reason in rows:
             lines.append(
-                f"  {f.id:<20} table: {expected:<12} check: {f.detected:<8} "
-                f"applied: {'yes' if f.applied else 'no':<3}  {f.reason}"
+                f"  {fix_id:<{id_w}}  table: {expected:<{table_w}}  check: {detected:<{check_w}}  "
+                f"applied: {'yes' if applied else 'no':<3}  {reason}"
             )
         for ref in self.stale_references:
             lines.append(f"  still holds a shipped function: {ref}")

@@ -9,11 +9,58 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import PurePosixPath
 
 import pytest
-from releases import release_dir
+from releases import RELEASES, release_dir
 
 IN_PROCESS_RELEASE = "0.39.0"
+
+
+#: Test modules whose tests share work done once per pytest process: a cached subprocess job read by several
+#: tests, or a module fixture that starts the work of every selected test at once. Under pytest-xdist the
+#: tests sharing one piece of work must run on one worker, or each worker would redo it (the scheduler
+#: below). Module -> what is shared: "release" (one piece of work per diffusers release, the release being
+#: named in the test's parameter id) or "module" (one for the whole module).
+SHARED_WORK = {
+    "test_release_matrix": "release",  # one interpreter per (release, import order), read by three tests
+    "test_cp_training": "release",  # one two-rank job per (release, package, mask switch), read by several
+    "test_properties": "module",  # one module fixture starts the search of every selected test
+    "test_doctor": "module",  # one doctor run per release, cached, read by several tests naming no release
+}
+
+
+def shared_work_scope(nodeid: str) -> str | None:
+    """The share of work (``SHARED_WORK``) the test ``nodeid`` belongs to; None if it shares none."""
+    path, _, names = nodeid.partition("::")
+    module = PurePosixPath(path).stem
+    if module not in SHARED_WORK:
+        return None
+    if SHARED_WORK[module] == "release":
+        params = names.partition("[")[2].removesuffix("]")
+        named = [part for part in params.split("-") if part in RELEASES]
+        if named:
+            return f"{module}-{named[0]}"
+    return module  # a test naming no release: the module's own share, which is never wrong, only slower
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``-n logical --dist loadgroup`` (.ci/run): xdist's group scheduling, each share of work one group.
+
+    xdist learns a test's group from the test id, and only the scheduler sees every id; the shares come
+    from the ids here rather than from ``xdist_group`` marks, which pytest-xdist 3.8 loses on pytest 9.2
+    (pytest-xdist issue #1386). A test's own ``xdist_group`` mark still counts where xdist keeps it.
+    """
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class SharedWorkScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return shared_work_scope(nodeid) or super()._split_scope(nodeid)
+
+    return SharedWorkScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

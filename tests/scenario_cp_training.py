@@ -5,9 +5,10 @@ Run in a fresh interpreter whose ``PYTHONPATH`` starts with one diffusers releas
     python -c "import scenario_cp_training as s; s.launch(package=True)"
     python -c "import scenario_cp_training as s; s.launch(package=True, modes=('qwen_ulysses',), mask_switch='warn')"
 
-``launch`` starts two rank processes with the ``spawn`` start method (the one ``torch.multiprocessing.spawn``
-uses; the stdlib context is used directly so the launcher itself need not import torch) and waits for them
-under a deadline. Each rank:
+``launch`` imports torch (nothing else: no diffusers, no package, no thread, no process group), forks the
+rank processes (two, or four for unified attention) and waits for them under a deadline. Forking after
+torch saves each rank torch's import, most of its CPU time; diffusers and the package are imported in each
+rank, in that rank's order. Each rank:
 
 1. imports ``diffusers_cudnn_fix`` first when ``package`` is true (never otherwise), then diffusers;
 2. joins a 2-rank gloo group (``file://`` rendezvous in a temporary folder: no network at all); rank 0,
@@ -44,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import os
 import sys
 import tempfile
@@ -53,9 +55,24 @@ import warnings
 from typing import Any
 
 WORLD_SIZE = 2
-#: Case name -> (model, context-parallel mode). The Flux cases keep their historical names.
-CASES = {"ulysses": ("flux", "ulysses"), "ring": ("flux", "ring"), "qwen_ulysses": ("qwen", "ulysses")}
-MODES = tuple(CASES)
+#: Case name -> (model, context-parallel mode). The Flux cases keep their historical names. ``unified``
+#: (Ulysses degree 2 x ring degree 2) needs 4 ranks: it runs in jobs of its own (``launch(world_size=4)``).
+CASES = {
+    "ulysses": ("flux", "ulysses"),
+    "ring": ("flux", "ring"),
+    "qwen_ulysses": ("qwen", "ulysses"),
+    "unified": ("flux", "unified"),
+}
+MODES = ("ulysses", "ring", "qwen_ulysses")
+#: The degrees of each context-parallel mode (their product is the world size the mode needs).
+DEGREES = {
+    "ulysses": {"ulysses_degree": 2},
+    "ring": {"ring_degree": 2},
+    "unified": {"ulysses_degree": 2, "ring_degree": 2},
+}
+#: With the package, even ranks import it before diffusers and odd ranks after: both import orders in one
+#: job. Each rank patches on its own, and one wrongly patched rank spoils the all-reduced gradients.
+IMPORT_ORDERS = ("package_first", "diffusers_first")
 MASK_VAR = "DIFFUSERS_CUDNN_FIX_MASK"
 BACKEND = "_native_cudnn"
 REFERENCE_BACKEND = "_native_math"
@@ -110,26 +127,44 @@ def launch(
     steps: int = 2,
     deadline_s: float = RANK_DEADLINE_S,
     mask_switch: str | None = None,
+    world_size: int = WORLD_SIZE,
 ) -> None:
-    """Start the two ranks, wait for them (at most ``deadline_s``), print one JSON line with their results.
+    """Start the ranks, wait for them (at most ``deadline_s``), print one JSON line with their results.
 
     ``mask_switch``: the ``DIFFUSERS_CUDNN_FIX_MASK`` the ranks get; ``None`` removes it (package default).
+    ``world_size``: 2, or 4 for the ``unified`` case.
     """
     import multiprocessing as mp
 
     unknown = [mode for mode in modes if mode not in CASES]
     if unknown:
         raise ValueError(f"unknown cases {unknown}; known: {list(CASES)}")
-    # The spawned ranks inherit this process's environment as it is when they start.
+    for mode in modes:
+        degrees = DEGREES[CASES[mode][1]]
+        if math.prod(degrees.values()) != world_size:
+            raise ValueError(f"case {mode} ({degrees}) needs a world size of {math.prod(degrees.values())}")
+    # The forked ranks inherit this process's environment as it is when they start.
     if mask_switch is None:
         os.environ.pop(MASK_VAR, None)
     else:
         os.environ[MASK_VAR] = mask_switch
     started = time.monotonic()
-    ctx = mp.get_context("spawn")
+    # The ranks are forked from this launcher after it imported torch (and nothing else: no diffusers, no
+    # package, no thread, no process group), so that each rank imports diffusers and the package in its own
+    # order without paying for torch's import again: most of a rank's CPU time in a 2-core CI run.
+    import torch  # noqa: F401
+
+    ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="cp_training_") as tmp:
-        spec = {"package": package, "modes": list(modes), "steps": steps, "tmp": tmp, "mask_switch": mask_switch}
-        procs = [ctx.Process(target=rank_main, args=(rank, spec), daemon=True) for rank in range(WORLD_SIZE)]
+        spec = {
+            "package": package,
+            "modes": list(modes),
+            "steps": steps,
+            "tmp": tmp,
+            "mask_switch": mask_switch,
+            "world_size": world_size,
+        }
+        procs = [ctx.Process(target=rank_main, args=(rank, spec), daemon=True) for rank in range(world_size)]
         for proc in procs:
             proc.start()
         end = started + deadline_s
@@ -211,8 +246,10 @@ def rank_main(rank: int, spec: dict[str, Any]) -> None:
 
 
 def _run_rank(rank: int, spec: dict[str, Any], rec: _Warnings, result: dict[str, Any]) -> None:
-    if spec["package"]:
-        import diffusers_cudnn_fix  # noqa: F401  (before diffusers: arms the post-import hook)
+    order = IMPORT_ORDERS[rank % 2] if spec["package"] else None
+    result["import_order"] = order
+    if order == "package_first":
+        import diffusers_cudnn_fix
     import datetime
 
     import diffusers
@@ -223,6 +260,9 @@ def _run_rank(rank: int, spec: dict[str, Any], rec: _Warnings, result: dict[str,
     result["diffusers_file"] = diffusers.__file__
     result["torch_version"] = torch.__version__
     import diffusers.models.attention_dispatch as dispatch
+
+    if order == "diffusers_first":
+        import diffusers_cudnn_fix  # noqa: F401  (after diffusers' attention module: patches it at once)
 
     pkg = sys.modules.get("diffusers_cudnn_fix")
     if spec["package"]:
@@ -245,7 +285,7 @@ def _run_rank(rank: int, spec: dict[str, Any], rec: _Warnings, result: dict[str,
         "gloo",
         init_method=f"file://{os.path.join(spec['tmp'], 'rendezvous')}",
         rank=rank,
-        world_size=WORLD_SIZE,
+        world_size=spec["world_size"],
         timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
     )
     import standin_kernels
@@ -470,7 +510,7 @@ def _parallelise(model16, mode: str):
     def build(seam: bool):
         model = copy.deepcopy(model16)
         model.set_attention_backend(BACKEND)
-        config = ContextParallelConfig(**{f"{mode}_degree": WORLD_SIZE})
+        config = ContextParallelConfig(**DEGREES[mode])
         if seam:
             with _cpu_accelerator_count_one():
                 model.enable_parallelism(config=config)
@@ -483,6 +523,29 @@ def _parallelise(model16, mode: str):
     except ZeroDivisionError:
         # diffusers 0.42.x: `rank % torch.accelerator.device_count()` with 0 accelerators on a CPU-only torch.
         return build(seam=True), "torch.accelerator.device_count() -> 1 during enable_parallelism"
+
+
+def _ring_inference(model, inputs16, dispatch) -> dict[str, Any]:
+    """With the package: the model's output under ``no_grad`` with the installed ring forward and with the one
+    diffusers shipped (swapped in for this one call). The corrected forward must compute exactly the same."""
+    import torch
+
+    pkg = sys.modules["diffusers_cudnn_fix"]
+    name = "TemplatedRingAttention.forward"
+    if not pkg.is_patched(name):
+        return {"patched": False}
+    cls = dispatch.TemplatedRingAttention
+    installed, shipped = cls.__dict__["forward"], pkg.get_original(name)
+    with torch.no_grad():
+        ours = model(**inputs16, return_dict=False)[0]
+        try:
+            cls.forward = shipped
+            theirs = model(**inputs16, return_dict=False)[0]
+        except Exception as exc:
+            return {"patched": True, "shipped": f"raised {type(exc).__name__}: {str(exc)[:300]}"}
+        finally:
+            cls.forward = installed
+    return {"patched": True, "shipped": "ok", "equal": bool(torch.equal(ours, theirs))}
 
 
 def _train(mode, model16, inputs16, target, steps, rec: _Warnings, dispatch) -> dict[str, Any]:
@@ -498,6 +561,8 @@ def _train(mode, model16, inputs16, target, steps, rec: _Warnings, dispatch) -> 
     entry["seam"] = seam
     cp = model._parallel_config.context_parallel_config
     entry["cp"] = {"ring_degree": cp.ring_degree, "ulysses_degree": cp.ulysses_degree, "world": cp._world_size}
+    if cp.ring_degree > 1 and "diffusers_cudnn_fix" in sys.modules:
+        entry["inference"] = _ring_inference(model, inputs16, dispatch)
     # Which ops the cuDNN backend will hand to the templated CP attention, read at call time as diffusers does.
     entry["ops"] = {
         name: f"{getattr(dispatch, name).__module__}.{getattr(dispatch, name).__qualname__}"

@@ -9,7 +9,9 @@ With the package imported first, on the CUDA device:
   against an fp32 eager reference (the path h200-facts.md measured);
 * a bool mask with masked columns and one fully masked row (B=1 S=64 H=2 D=64) through the cuDNN CP op in
   each mask mode, and converted with -65504 (F.sdpa's own fill) for comparison, against fp32
-  ``F.scaled_dot_product_attention`` on the math backend with the bool mask.
+  ``F.scaled_dot_product_attention`` on the math backend with the bool mask;
+* ``TemplatedRingAttention`` with 2 and 3 ring chunks on the one GPU (``scenario_ring``: a thread per ring
+  rank), as installed and, where the package replaced it, as shipped.
 
 Prints one JSON line.
 """
@@ -181,6 +183,32 @@ def masks() -> dict[str, Any]:
     return results
 
 
+def ring_chunks() -> dict[str, Any]:
+    """``TemplatedRingAttention`` with 2 and 3 ring chunks on this one GPU (one thread per ring rank,
+    ``scenario_ring``), cuDNN and flash ops, as installed (corrected where the package replaced the ring) and,
+    where it did, diffusers' own ring forward/backward with the same ops (the control)."""
+    import scenario_ring
+
+    diffusers_cudnn_fix.apply()
+    shipped = {
+        name: diffusers_cudnn_fix.get_original(f"TemplatedRingAttention.{name}").__func__
+        for name in ("forward", "backward")
+        if diffusers_cudnn_fix.is_patched(f"TemplatedRingAttention.{name}")
+    }
+    results: dict[str, Any] = {}
+    for backend, (_, backward_name) in scenario_ring.BACKEND_OPS.items():
+        if backend == "native" or not hasattr(module, backward_name):
+            continue
+        for world in (2, 3):
+            results[f"{backend}/world={world}"] = scenario_ring.run(module, backend, world, device="cuda")
+            if shipped:
+                control = {"ring_forward": shipped["forward"], "ring_backward": shipped["backward"]}
+                results[f"{backend}/world={world}/shipped ring"] = scenario_ring.run(
+                    module, backend, world, device="cuda", **control
+                )
+    return {"ring_patched": bool(shipped), "cases": results}
+
+
 def main() -> None:
     import diffusers
 
@@ -193,6 +221,7 @@ def main() -> None:
     result["probes"] = probes()
     result["ulysses_nccl"] = ulysses_nccl()
     result["masks"] = masks()
+    result["ring_chunks"] = ring_chunks()
     result["status"] = diffusers_cudnn_fix.status().to_dict()
     print(json.dumps(result, default=str))
     os._exit(0)

@@ -1,9 +1,11 @@
 """Gradients of diffusers' own context-parallel attention op pairs, on CPU stand-in kernels.
 
-Run in a fresh interpreter by the release-matrix tests::
+Run in a fresh interpreter by the release-matrix tests, one per release and import order::
 
-    python -c "import scenario_grads; scenario_grads.main('package_first')"
+    python -c "import scenario_grads; scenario_grads.main('package_first', ulysses=True)"
+    python -c "import scenario_grads; scenario_grads.main('diffusers_first', control=True, ulysses=True)"
 
+(the second runs the control, diffusers as shipped, before it imports the package: see ``main``).
 It imports diffusers and (unless ``order == 'none'``) this package in the given order, registers the CPU
 stand-ins for the ATen cuDNN / flash SDPA ops, and drives diffusers' installed forward/backward ops the way
 ``TemplatedUlyssesAttention`` does: inside an ``autograd.Function``, on fresh tensors made under no-grad,
@@ -14,6 +16,7 @@ Prints one JSON line: per backend / shape / return_lse, the errors and whether t
 from __future__ import annotations
 
 import json
+import os
 import sys
 import types
 from typing import Any
@@ -30,16 +33,28 @@ BACKENDS = {
 }
 
 
+def _not_imported_yet(name: str) -> None:
+    """Fail loudly if ``name`` was imported before the order asked for it (the order would be a lie)."""
+    if name in sys.modules:
+        raise RuntimeError(f"{name} is already imported: this is not the order asked for")
+
+
 def import_in_order(order: str) -> types.ModuleType:
+    """diffusers' attention module, imported in ``order``. The checks between the imports also keep the
+    import sorter (ruff's isort rule) from merging them into one block and reordering it."""
     if order == "package_first":
-        import diffusers.models.attention_dispatch as module
+        import diffusers_cudnn_fix  # first: its hook patches at diffusers' import
 
-        import diffusers_cudnn_fix
+        _not_imported_yet("diffusers.models.attention_dispatch")
+        import diffusers.models.attention_dispatch as module
     elif order == "diffusers_first":
+        _not_imported_yet("diffusers_cudnn_fix")
         import diffusers.models.attention_dispatch as module
 
-        import diffusers_cudnn_fix  # noqa: F401
+        _not_imported_yet("diffusers_cudnn_fix")
+        import diffusers_cudnn_fix  # noqa: F401  (patches the module already imported)
     elif order == "none":
+        _not_imported_yet("diffusers_cudnn_fix")
         import diffusers.models.attention_dispatch as module
     else:
         raise ValueError(order)
@@ -160,22 +175,73 @@ def run_case(
     }
 
 
-def main(order: str) -> None:
-    module = import_in_order(order)
-    import standin_kernels
-
-    standin_kernels.register()
+def run_cases(module: types.ModuleType) -> dict[str, dict[str, Any]]:
+    """Every backend, shape and return_lse setting on ``module``'s op pairs (stand-ins registered)."""
     results = {}
     for backend in BACKENDS:
         for case in CASES:
             for return_lse in (False, True):
                 results[f"{backend}/{case[0]}/return_lse={return_lse}"] = run_case(module, backend, case, return_lse)
-    report = None
-    if "diffusers_cudnn_fix" in sys.modules:
-        report = sys.modules["diffusers_cudnn_fix"].status().to_dict()
+    return results
+
+
+def imported_first() -> str | None:
+    """Which of the package and diffusers' attention module this interpreter imported first ("package" or
+    "diffusers"; None without the package), read off the order of ``sys.modules`` (insertion order)."""
+    names = list(sys.modules)
+    if "diffusers_cudnn_fix" not in names:
+        return None
+    package_at = names.index("diffusers_cudnn_fix")
+    diffusers_at = names.index("diffusers.models.attention_dispatch")
+    return "package" if package_at < diffusers_at else "diffusers"
+
+
+def _phase(module: types.ModuleType, ulysses: bool) -> dict[str, Any]:
+    """The cases (and, with ``ulysses``, the same through TemplatedUlyssesAttention) in the state now."""
+    package = sys.modules.get("diffusers_cudnn_fix")
+    out: dict[str, Any] = {"package_loaded": package is not None, "imported_first": imported_first()}
+    out["cases"] = run_cases(module)
+    if ulysses:
+        import scenario_ulysses
+
+        out["ulysses"] = scenario_ulysses.run_cases(module)
+    out["status"] = None if package is None else package.status().to_dict()
+    return out
+
+
+def main(order: str, *, control: bool = False, ulysses: bool = False) -> None:
+    """Print one JSON line: the release, ``order``, ``status`` (None without the package) and ``cases``.
+
+    ``ulysses``: the same cases through diffusers' TemplatedUlyssesAttention too (``scenario_ulysses``),
+    under ``ulysses``. ``control`` (``order="diffusers_first"`` only): diffusers is imported, then every
+    case runs on the ops as shipped, with the package not imported yet, under ``control``; only then is the
+    package imported (its hook patching the module already loaded) and the cases run again. One
+    interpreter thus gives the control and the diffusers-first run of a release.
+    """
+    if control and order != "diffusers_first":
+        raise ValueError("the control runs before the package is imported: order='diffusers_first' only")
+    result: dict[str, Any] = {"order": order}
+    # The stand-ins (and torch with them) only after the imports under test: "package first" means first.
+    if control:
+        module = import_in_order("none")
+        import standin_kernels
+
+        standin_kernels.register()
+        result["control"] = _phase(module, ulysses)
+        _not_imported_yet("diffusers_cudnn_fix")
+        import diffusers_cudnn_fix  # noqa: F401  (diffusers first: the hook patches the module now)
+    else:
+        module = import_in_order(order)
+        import standin_kernels
+
+        standin_kernels.register()
+    result.update(_phase(module, ulysses))
     import diffusers
 
-    print(json.dumps({"version": diffusers.__version__, "order": order, "status": report, "cases": results}))
+    result["version"] = diffusers.__version__
+    print(json.dumps(result), flush=True)
+    if ulysses:
+        os._exit(0)  # skip the gloo process group's teardown noise
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ The release under test is whichever diffusers is first on ``PYTHONPATH``. Steps,
 
 1. the CUDA state before any import of the package or of diffusers: ``cold`` (nothing), ``cuda``
    (``torch.cuda.set_device(0); torch.zeros(1, device="cuda")``), ``nccl`` (that, then a one-rank NCCL
-   process group, env:// rendezvous on ``MASTER_ADDR``/``MASTER_PORT``, ``device_id`` given so the
+   process group, rendezvous on the file store ``DCF_INIT_METHOD`` names (else env://), ``device_id`` given so the
    communicator exists now), ``torchrun`` (the same under a real ``torchrun``, which sets the environment);
 2. the two imports in the order given (``import diffusers_cudnn_fix``,
    ``import diffusers.models.attention_dispatch``); then what the imports did: the probes recorded
@@ -68,7 +68,9 @@ def _init_nccl(torch: Any, eager: bool, backend: str = "nccl") -> None:
         kwargs["device_id"] = torch.device("cuda", 0)  # eager communicator: NCCL really is up before imports
     dist.init_process_group(
         backend,
-        init_method="env://",
+        # A file store where the test gives one: ports picked ahead of time can be taken by the time a case
+        # binds them (torchrun's own rendezvous picks one too), which failed a case with EADDRINUSE.
+        init_method=os.environ.get("DCF_INIT_METHOD", "env://"),
         rank=int(os.environ.get("RANK", 0)),
         world_size=int(os.environ.get("WORLD_SIZE", 1)),
         **kwargs,

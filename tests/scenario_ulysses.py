@@ -93,11 +93,8 @@ def run_case(module: types.ModuleType, mesh: Any, backend: str, case: tuple, ret
     return {"status": "pass" if ok else "wrong", "errors": errors, "bf16_errors": bf16_errors}
 
 
-def main(order: str) -> None:
-    module = import_in_order(order)
-    import standin_kernels
-
-    standin_kernels.register()
+def run_cases(module: types.ModuleType) -> dict[str, dict[str, Any]]:
+    """Every backend, self-attention shape and return_lse setting through TemplatedUlyssesAttention."""
     mesh = _init_gloo()
     results = {}
     for backend in BACKENDS:
@@ -106,12 +103,23 @@ def main(order: str) -> None:
                 results[f"{backend}/{case[0]}/return_lse={return_lse}"] = run_case(
                     module, mesh, backend, case, return_lse
                 )
+    return results
+
+
+def main(order: str) -> None:
+    module = import_in_order(order)
+    import standin_kernels
+
+    standin_kernels.register()
+    results = run_cases(module)
     report = None
     if "diffusers_cudnn_fix" in sys.modules:
         report = sys.modules["diffusers_cudnn_fix"].status().to_dict()
     import diffusers
 
-    print(json.dumps({"version": diffusers.__version__, "order": order, "status": report, "cases": results}))
+    print(
+        json.dumps({"version": diffusers.__version__, "order": order, "status": report, "cases": results}), flush=True
+    )
     os._exit(0)  # skip process-group teardown noise
 
 

@@ -193,6 +193,23 @@ def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, f
         raise RuntimeError(FLASH_GQA_MESSAGE if flash else CUDNN_GQA_MESSAGE)
 
 
+#: The GPU kernels read their operands in 16-byte vectors. An operand whose data pointer is off 16 bytes (a
+#: view one element into a buffer) is misread by cuDNN, silently, and ends the flash kernel with "CUDA error:
+#: misaligned address" (measured on an H200; docs/kernel-facts.md).
+ALIGNMENT = 16
+MISALIGNED_MESSAGE = "stand-in: CUDA error: misaligned address (the flash kernel got {name} off 16 bytes)"
+
+
+def _misaligned(**tensors: torch.Tensor | None) -> list[str]:
+    return [n for n, t in tensors.items() if t is not None and t.numel() > 0 and t.data_ptr() % ALIGNMENT != 0]
+
+
+def _check_flash_aligned(**tensors: torch.Tensor | None) -> None:
+    off = _misaligned(**tensors)
+    if off:
+        raise RuntimeError(MISALIGNED_MESSAGE.format(name=", ".join(off)))
+
+
 def _check_dropout(dropout_p: float) -> None:
     if dropout_p > 0.0:
         raise NotImplementedError("stand-in: dropout_p > 0 is not supported by the CPU stand-ins")
@@ -459,7 +476,7 @@ def _cudnn_forward(
     """CPU kernel for ``aten::_scaled_dot_product_cudnn_attention``."""
     _check_dropout(dropout_p)
     _check_qkv(query, key, value, flash=False)
-    garbage = _fp32_mode_cudnn(query.dtype)
+    garbage = _fp32_mode_cudnn(query.dtype) or bool(_misaligned(query=query, key=key, value=value, bias=attn_bias))
     batch, heads, s_q = query.shape[:3]
     s_kv = key.size(2)
     bias32 = _read_bias(attn_bias, query.dtype, (batch, heads, s_q, s_kv))
@@ -516,7 +533,9 @@ def _cudnn_backward(
             f"stand-in: max_q/max_k ({max_q}, {max_k}) do not match the query/key sequence lengths "
             f"({query.size(2)}, {key.size(2)})"
         )
-    garbage = _fp32_mode_cudnn(query.dtype)
+    garbage = _fp32_mode_cudnn(query.dtype) or bool(
+        _misaligned(grad_out=grad_out, query=query, key=key, value=value, out=out, bias=attn_bias)
+    )
 
     if not _strides_match(grad_out, out):
         if _state().strict_grad_out_strides:
@@ -568,6 +587,7 @@ def _flash_forward(
         raise NotImplementedError("stand-in: return_debug_mask=True is not supported")
     _check_qkv(query, key, value, flash=True)
     _check_flash_dtype(query.dtype)
+    _check_flash_aligned(query=query, key=key, value=value)
     s_q, s_kv = query.size(2), key.size(2)
     out32, lse32 = _forward_fp32(query, key, value, None, is_causal, _scale_of(query, scale))
     out = torch.empty_like(query)  # flash's output keeps query's layout (meta: empty_like(query))
@@ -605,6 +625,7 @@ def _flash_backward(
     lse = _check_lse_present(logsumexp)
     _check_qkv(query, key, value, flash=True)
     _check_flash_dtype(query.dtype)
+    _check_flash_aligned(grad_out=grad_out, query=query, key=key, value=value, out=out)
     _check_grad_out(grad_out, out, query, value)
     if lse.dim() != 3:
         raise RuntimeError(f"stand-in: flash logsumexp must be 3-D (B, H, S_q), got {lse.dim()}-D")

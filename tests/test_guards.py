@@ -1,4 +1,4 @@
-"""Guards: masks (#14342), q/k/v dtypes, ring backward on <= 0.39, 0.36.0's Ulysses backward.
+"""Guards: masks (#14342), q/k/v dtypes, ring attention on <= 0.39, 0.36.0's Ulysses backward.
 
 In-process cases run diffusers 0.39.0 (conftest); the 0.40-style forward (0.42.1), 0.36.0 and whatever
 depends on once-per-process state (the default mask mode, warn-once) run in fresh interpreters. Each guard
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import scenario_grads
+import scenario_ring
 from releases import ROOT, release_dir, run
 
 import diffusers_cudnn_fix
@@ -236,7 +237,13 @@ print(json.dumps(result))
 """,
         env={"DIFFUSERS_CUDNN_FIX_MASK": "error"},
     )
-    assert result["applied"] == ["cudnn_bool_mask", "cudnn_input_dtypes"]
+    assert result["applied"] == [
+        "cudnn_bool_mask",
+        "cudnn_input_dtypes",
+        "flash_input_alignment",
+        "ring_grad_route",
+        "ulysses_mask_grad",
+    ]
     for mask in ("bool", "float32"):
         assert result["env_error"][mask]["status"] == "raised", result["env_error"]
         assert "UnsafeAttentionError" in result["env_error"][mask]["error"], result["env_error"]
@@ -274,18 +281,90 @@ def test_unsupported_or_mixed_qkv_dtypes_raise_naming_the_three(patched, dtypes)
         assert re.search(rf"(?<![a-z]){dtype}", message), (dtype, message)
 
 
-def test_ring_backward_raises_a_clear_error_on_affected_releases(patched: types.ModuleType) -> None:
-    ctx = types.SimpleNamespace()
-    with pytest.raises(UnsafeAttentionError) as err:
-        patched.TemplatedRingAttention.backward(ctx, None)
-    message = str(err.value)
-    assert "ring" in message and "0.40" in message and "Ulysses" in message and "ring_backward" in message
-    # The forward is untouched: ring inference keeps working.
-    assert (
-        "forward" not in patched.TemplatedRingAttention.__dict__
-        or diffusers_cudnn_fix.get_original("TemplatedRingAttention.forward")
-        is patched.TemplatedRingAttention.__dict__["forward"]
+# ------------------------------------------------------------------------------------------------------------
+# Ring attention on 0.39.0: corrected for the cuDNN and flash ops, refused elsewhere (scenario_ring: one
+# thread per ring rank, so several ring chunks run in this one process)
+# ------------------------------------------------------------------------------------------------------------
+RING_FORWARD, RING_BACKWARD = "TemplatedRingAttention.forward", "TemplatedRingAttention.backward"
+
+
+def _shipped(target: str):
+    return diffusers_cudnn_fix.get_original(target).__func__
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+def test_ring_is_corrected_for_every_ring_degree(patched: types.ModuleType, backend: str, world: int) -> None:
+    assert diffusers_cudnn_fix.is_patched(RING_FORWARD) and diffusers_cudnn_fix.is_patched(RING_BACKWARD)
+    result = scenario_ring.run(patched, backend, world)
+    assert result["status"] == "pass", result
+    fp32 = scenario_ring.run(patched, backend, world, convert_to_fp32=True)
+    assert fp32["status"] == "pass", fp32
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+def test_ring_as_shipped_is_wrong_with_the_corrected_ops(patched: types.ModuleType, backend: str) -> None:
+    """The control: the corrected cuDNN / flash ops under diffusers' own ring forward and backward."""
+    result = scenario_ring.run(
+        patched, backend, 2, ring_forward=_shipped(RING_FORWARD), ring_backward=_shipped(RING_BACKWARD)
     )
+    assert result["status"] == "wrong", result
+
+
+def _ring_refusal(module: types.ModuleType, backend: str = "cudnn", **kwargs) -> str:
+    result = scenario_ring.run(module, backend, 2, **kwargs)
+    assert result["status"] == "raised" and result["raised"] == "UnsafeAttentionError", result
+    return result["error"]
+
+
+def _zeros_forward_op(ctx, query, *args, **kwargs):
+    """A forward op returning (out, lse) of the right shapes, for cases that must be refused before any
+    backward op runs."""
+    import torch
+
+    return torch.zeros_like(query), torch.zeros(query.shape[:3])
+
+
+def test_ring_refuses_other_backends(patched: types.ModuleType) -> None:
+    """Another backend's backward op (here diffusers' native one; its forward op cannot return a log-sum-exp,
+    so a stand-in runs the forward): the backward refuses, naming the backends that work and the way out."""
+    message = _ring_refusal(patched, "native", forward_op=_zeros_forward_op)
+    assert "_native_cudnn" in message and "_native_flash" in message, message
+    assert "_native_attention_backward_op" in message and "Ulysses" in message and "0.40" in message, message
+
+
+def test_ring_refuses_the_shipped_cudnn_backward_op(patched: types.ModuleType) -> None:
+    """With DIFFUSERS_CUDNN_FIX_SKIP=cudnn_backward_kv the shipped op is what the ring gets: refused, as it is
+    not one of the ops the corrected ring drives (identity, not name)."""
+    patched._cudnn_attention_backward_op = diffusers_cudnn_fix.get_original("_cudnn_attention_backward_op")
+    try:
+        message = _ring_refusal(patched)
+    finally:
+        diffusers_cudnn_fix.apply()  # puts the corrected op back
+    assert "cudnn_backward_kv" in message, message
+
+
+def test_ring_refuses_what_it_does_not_correct(patched: types.ModuleType) -> None:
+    """A mask (diffusers applies the local mask to every ring step), dropout, causal attention, GQA. The forward
+    op is a stand-in where the stand-in kernels would refuse first (dropout) or diffusers' op raises (GQA)."""
+    import torch
+
+    mask = torch.zeros(scenario_ring.BATCH, 1, scenario_ring.SEQ_PER_RANK, scenario_ring.SEQ_PER_RANK)
+    cases = {
+        "mask": {"attn_mask": mask.to(torch.bfloat16)},
+        "dropout": {"dropout_p": 0.1, "forward_op": _zeros_forward_op},
+        "is_causal": {"is_causal": True},
+        "enable_gqa": {"enable_gqa": True, "forward_op": _zeros_forward_op},
+    }
+    for word, kwargs in cases.items():
+        message = _ring_refusal(patched, **kwargs)
+        assert word in message and "Ulysses" in message and "ring_backward" in message, (word, message)
+
+
+def test_ring_refuses_a_forward_from_before_the_correction(patched: types.ModuleType) -> None:
+    """A forward run by the shipped class (before apply()) kept nothing the corrected backward needs."""
+    message = _ring_refusal(patched, ring_forward=_shipped(RING_FORWARD))
+    assert "before the package corrected" in message, message
 
 
 def test_ring_backward_is_left_alone_where_it_is_right() -> None:
@@ -309,3 +388,136 @@ def test_ulysses_on_0_36_0(order: str) -> None:
         assert any("incorrect number of gradients" in v["error"] for v in cudnn.values())
     else:
         assert {v["status"] for v in cudnn.values()} == {"pass"}, cudnn
+
+
+def _ulysses(module, monkeypatch, mask, *, grad: bool = True):
+    """diffusers' own ``TemplatedUlyssesAttention`` at Ulysses degree 1 (collectives stood in), cuDNN ops."""
+    import torch
+
+    monkeypatch.setattr(module, "_all_to_all_single", lambda x, group=None: x)
+
+    def all_gather(out, tensor, group=None):
+        for part in out:
+            part.copy_(tensor)
+
+    monkeypatch.setattr(module, "dist", types.SimpleNamespace(all_gather=all_gather))
+    mesh = types.SimpleNamespace(get_group=lambda: None)
+    config = types.SimpleNamespace(
+        context_parallel_config=types.SimpleNamespace(
+            _ulysses_mesh=mesh, ulysses_degree=1, ring_degree=1, _world_size=2, convert_to_fp32=False
+        )
+    )
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2, 16, generator=gen).to(torch.bfloat16).requires_grad_(True) for _ in range(3))
+    with torch.set_grad_enabled(grad):
+        out = module.TemplatedUlyssesAttention.apply(
+            q, k, v, mask, 0.0, False, None, False, False,
+            module._cudnn_attention_forward_op, module._cudnn_attention_backward_op, config,
+        )  # fmt: skip
+        if grad:
+            out.float().sum().backward()
+    return out
+
+
+def test_a_mask_needing_grad_is_refused_by_ulysses_attention(dispatch_module, monkeypatch) -> None:
+    """0.39+'s Ulysses forward all-gathers the mask into a fresh tensor, so the op-level guard cannot see that
+    it requires grad; its backward gives it none. As shipped the mask's gradient silently stays None; with
+    the package the forward refuses it (under no_grad too: inside the forward the two cannot be told apart),
+    and the detached mask runs as shipped."""
+    import torch
+
+    def mask():
+        return torch.zeros(1, 1, 8, 8, dtype=torch.bfloat16).requires_grad_(True)
+
+    # Every other fix in (the shipped 0.39.0 backward needs them), this guard left out.
+    diffusers_cudnn_fix.revert()
+    monkeypatch.setenv("DIFFUSERS_CUDNN_FIX_SKIP", "ulysses_mask_grad")
+    diffusers_cudnn_fix.apply()
+    try:
+        shipped_mask = mask()
+        _ulysses(dispatch_module, monkeypatch, shipped_mask)
+        assert shipped_mask.grad is None  # the bug: no gradient, no error
+        shipped_eval = _ulysses(dispatch_module, monkeypatch, mask(), grad=False)
+    finally:
+        diffusers_cudnn_fix.revert()
+
+    monkeypatch.delenv("DIFFUSERS_CUDNN_FIX_SKIP")
+    diffusers_cudnn_fix.apply()
+    try:
+        with pytest.raises(UnsafeAttentionError, match=r"requires grad.*no gradient.*detach"):
+            _ulysses(dispatch_module, monkeypatch, mask())
+        with pytest.raises(UnsafeAttentionError, match=r"detach"):
+            _ulysses(dispatch_module, monkeypatch, mask(), grad=False)
+        assert torch.equal(_ulysses(dispatch_module, monkeypatch, mask().detach(), grad=False), shipped_eval)
+        _ulysses(dispatch_module, monkeypatch, mask().detach())
+    finally:
+        diffusers_cudnn_fix.revert()
+
+
+def test_flash_inputs_off_16_bytes_are_copied_before_the_kernel(dispatch_module) -> None:
+    """With one head the flash op's ``transpose(1, 2).contiguous()`` copies nothing, so a view one element
+    into its buffer reached the flash kernel as it is: "misaligned address" on a GPU, which ends the CUDA
+    context (the stand-in raises the same). The guard hands the op dense copies; the result is unchanged."""
+    import torch
+
+    shape = (2, 5, 1, 16)  # (B, S, H, D)
+    gen = torch.Generator().manual_seed(0)
+    buffers = [torch.randn(2 * 5 * 16 + 1, generator=gen).to(torch.bfloat16) for _ in range(3)]
+    offset = [b[1:].view(shape) for b in buffers]  # off 16 bytes
+    dense = [x.clone() for x in offset]
+
+    def forward(q, k, v):
+        ctx = types.SimpleNamespace(save_for_backward=lambda *t: None)
+        return dispatch_module._native_flash_attention_forward_op(ctx, q, k, v, None, 0.0, False, None, False, False)
+
+    diffusers_cudnn_fix.revert()
+    with pytest.raises(RuntimeError, match="misaligned address"):
+        forward(*offset)
+    expected = forward(*dense)
+    diffusers_cudnn_fix.apply()
+    try:
+        assert torch.equal(forward(*offset), expected)
+    finally:
+        diffusers_cudnn_fix.revert()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Ring attention on 0.40.0 and later (fixes/ring_grad_route.py): diffusers' own ring backward routes the K/V
+# gradients wrong from ring degree 3; refused there, ring degree 2 and the forward left as shipped
+# ------------------------------------------------------------------------------------------------------------
+def test_ring_backward_from_degree_3_is_refused_on_040_and_later() -> None:
+    result = run(
+        release_dir("0.42.1"),
+        """
+import json, diffusers_cudnn_fix, scenario_ring, standin_kernels
+import diffusers.models.attention_dispatch as module
+standin_kernels.register()
+shipped = diffusers_cudnn_fix.get_original("TemplatedRingAttention.backward").__func__
+result = {f"guarded/{w}": scenario_ring.run(module, "cudnn", w) for w in (2, 3, 4)}
+# The control: diffusers' own backward (under the installed forward, which the package leaves alone).
+result["shipped/3"] = scenario_ring.run(module, "cudnn", 3, ring_backward=shipped)
+result["shipped/2"] = scenario_ring.run(module, "cudnn", 2, ring_backward=shipped)
+fixes = diffusers_cudnn_fix.status().fixes
+result["status"] = {f.id: [f.detected, f.applied] for f in fixes if f.id.startswith("ring")}
+result["forward_patched"] = diffusers_cudnn_fix.is_patched("TemplatedRingAttention.forward")
+print(json.dumps(result))
+""",
+    )
+    tolerance = scenario_ring.TOLERANCE
+    assert result["status"] == {"ring_backward": ["ok", False], "ring_grad_route": ["broken", True]}, result["status"]
+    assert result["forward_patched"] is False
+    # As shipped, degree 3 gives wrong K/V gradients, the output and the query gradient right (ring inference
+    # at degree 3 is fine, and stays allowed).
+    shipped = result["shipped/3"]
+    assert shipped["status"] == "wrong", shipped
+    assert shipped["errors"]["out"] <= tolerance and shipped["errors"]["dq"] <= tolerance, shipped
+    assert shipped["errors"]["dk"] > tolerance and shipped["errors"]["dv"] > tolerance, shipped
+    assert result["shipped/2"]["status"] == "pass", result["shipped/2"]
+    # With the package: degree 2 runs (and is right), degree 3 and 4 raise, saying why and what to do.
+    assert result["guarded/2"]["status"] == "pass", result["guarded/2"]
+    for world in (3, 4):
+        refused = result[f"guarded/{world}"]
+        assert refused["status"] == "raised" and refused["raised"] == "UnsafeAttentionError", refused
+        message = refused["error"]
+        for words in (f"ring_degree {world}", "ring_degree=2", "Ulysses", "DIFFUSERS_CUDNN_FIX_SKIP=ring_grad_route"):
+            assert words in message, (words, message)

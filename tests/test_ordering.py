@@ -115,9 +115,17 @@ APPLIED = {
         "cudnn_forward_lse",
         "cudnn_input_dtypes",
         "flash_backward_kv",
+        "flash_input_alignment",
         "ring_backward",
+        "ulysses_mask_grad",
     ],
-    "0.42.1": ["cudnn_bool_mask", "cudnn_input_dtypes"],
+    "0.42.1": [
+        "cudnn_bool_mask",
+        "cudnn_input_dtypes",
+        "flash_input_alignment",
+        "ring_grad_route",
+        "ulysses_mask_grad",
+    ],
     "0.35.2": [],
 }
 

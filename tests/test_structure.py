@@ -29,16 +29,22 @@ LAYERS = {
     "fixes.cudnn_backward_kv": 3,
     "fixes.flash_backward_kv": 3,
     "fixes.ulysses_grad_count": 3,
-    "fixes.ring_backward": 3,
+    "fixes.ring_backward": 4,
+    "fixes.ring_grad_route": 5,
     "fixes.cudnn_bool_mask": 4,
     "fixes.cudnn_input_dtypes": 4,
+    "fixes.ulysses_mask_grad": 4,
+    "fixes.flash_input_alignment": 3,
     "fixes": 5,
     "_report": 5,
     "_registry": 6,
     "_probe": 7,
     "_hook": 8,
     "__init__": 9,
+    "_launcher": 9,  # imports nothing of the package: the CLI's launcher (``run -- COMMAND``)
     "__main__": 10,
+    # The launcher's start-up hook, run in the command's processes: it imports the package from outside.
+    "site-bootstrap.sitecustomize": 11,
 }
 
 # Code in these runs inside the corrected ops or the probe's trigger.

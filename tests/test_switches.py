@@ -28,7 +28,10 @@ FIX_IDS = (
     "ulysses_grad_count",
     "cudnn_bool_mask",
     "cudnn_input_dtypes",
+    "flash_input_alignment",
+    "ulysses_mask_grad",
     "ring_backward",
+    "ring_grad_route",
 )
 
 PREAMBLE = """
@@ -177,7 +180,8 @@ def test_a_bad_environment_value_warns_once_and_says_what_is_used(variable: str)
     assert status["enabled"] is True  # "maybe" means on; no other switch turns the package off
     assert result["patched"] is True
     assert status["ok"] is True  # nothing was skipped: unknown ids are ignored
-    assert all(fixes(result)[i]["applied"] for i in FIX_IDS if i != "ulysses_grad_count")
+    # Not on this release: a 0.36.0-only bug, and a 0.40+ one.
+    assert all(fixes(result)[i]["applied"] for i in FIX_IDS if i not in ("ulysses_grad_count", "ring_grad_route"))
     if variable == "DIFFUSERS_CUDNN_FIX_MASK":
         # A bad mask mode means convert: the bool mask is converted, and the gradients are right.
         assert result["mask"]["status"] == "pass", result["mask"]

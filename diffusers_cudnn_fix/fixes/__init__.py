@@ -12,8 +12,11 @@ from . import (
     cudnn_forward_lse,
     cudnn_input_dtypes,
     flash_backward_kv,
+    flash_input_alignment,
     ring_backward,
+    ring_grad_route,
     ulysses_grad_count,
+    ulysses_mask_grad,
 )
 
 ALL_FIXES: tuple[Fix, ...] = (
@@ -22,9 +25,16 @@ ALL_FIXES: tuple[Fix, ...] = (
     cudnn_backward_kv.FIX,
     flash_backward_kv.FIX,
     ulysses_grad_count.FIX,
-    # Guards: wrappers around the (corrected) forward (the input-dtype guard outermost), and a refusal where
+    # Guards: wrappers around the (corrected) forward (the input-dtype guard outermost), and refusals where
     # no correction is offered.
     cudnn_bool_mask.FIX,
     cudnn_input_dtypes.FIX,
+    flash_input_alignment.FIX,
+    ulysses_mask_grad.FIX,
+    # Ring attention's correction: drives the corrected cuDNN / flash backward ops one ring step at a time
+    # (refuses for any other backward op).
     ring_backward.FIX,
+    # diffusers' ring backward from 0.40 on routes the K/V gradients wrong from ring degree 3: refused there
+    # (after ring_backward, whose corrected ring on 0.36-0.39 its check then sees and finds right).
+    ring_grad_route.FIX,
 )

@@ -50,7 +50,9 @@ def _with_stand_in_collectives(backward: Any) -> Any:
     return _detect.with_globals(backward, _all_to_all_single=lambda x, group=None: x)
 
 
-def _returned(backward: Any) -> tuple[int | None, str | None]:
+def run_backward(backward: Any) -> tuple[tuple[Any, ...] | None, str | None]:
+    """Run ``backward`` (Ulysses degree 1, stand-in collectives, a backward op returning empty gradients) in
+    this process; returns what it returned, or None and the error."""
     batch, seq, heads, dim = 1, 4, 2, 8
 
     def backward_op(ctx: Any, grad: torch.Tensor, *a: Any, **kw: Any) -> tuple[torch.Tensor, ...]:
@@ -62,7 +64,7 @@ def _returned(backward: Any) -> tuple[int | None, str | None]:
     )
     run = _with_stand_in_collectives(backward)
     try:
-        return len(tuple(run(ctx, torch.empty(batch, seq, heads, dim)))), None
+        return tuple(run(ctx, torch.empty(batch, seq, heads, dim))), None
     except Exception as exc:  # noqa: BLE001 - an unknown build: say so
         return None, f"{type(exc).__name__}: {exc}"
 
@@ -74,9 +76,10 @@ def check(lookup: Lookup) -> Finding:
     inputs = _detect.input_count(forward)
     if inputs is None or getattr(backward, "__code__", None) is None:
         return Finding("unknown", "TemplatedUlyssesAttention's forward/backward are not plain functions")
-    returned, error = _returned(backward)
-    if returned is None:
+    grads, error = run_backward(backward)
+    if grads is None:
         return Finding("unknown", f"the Ulysses backward could not be run in one process ({error})")
+    returned = len(grads)
     if returned < inputs:
         return Finding("broken", f"the Ulysses backward returns {returned} gradients for {inputs} inputs")
     if returned > inputs:

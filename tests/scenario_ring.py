@@ -1,0 +1,186 @@
+"""diffusers' ring attention with several ring chunks in one process: one thread per ring rank.
+
+``TemplatedRingAttention``'s forward and backward (whatever is installed: as shipped or as corrected) run
+with the collectives they call (``funcol.all_gather_tensor``, ``funcol.permute_tensor``) answered by
+stand-ins that exchange tensors between the threads, so no process group is needed and any ring degree can
+run on one device (the CPU with the stand-in kernels, or one GPU). Each thread holds one rank's sequence
+shard of q, k and v; the outputs and gradients of all ranks, put together, are compared with fp32 attention
+over the whole sequence computed eagerly. Each rank calls the forward and then the backward itself, with a
+stand-in autograd context (``Context``: autograd would run the CUDA backwards of all the ranks on its one
+device thread, one after the other, and the first would wait forever for the others' collectives). The
+functions themselves are not touched: they run as copies that see the stand-in collectives in place of the
+module's ``funcol`` (``with_funcol``; the package is not imported here, so that runs without it stay
+without it).
+
+Also runnable in a fresh interpreter (the release first on ``PYTHONPATH``)::
+
+    python -c "import scenario_ring; scenario_ring.main(package=False, worlds=(2, 3))"
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import types
+from typing import Any
+
+import torch
+
+#: Per rank: B=2, 4 tokens, 2 heads of 8 (the 4-token shard and 2 heads differ: a swapped pair of dims shows).
+BATCH, SEQ_PER_RANK, HEADS, HEAD_DIM = 2, 4, 2, 8
+#: Relative error (max |x - ref| / max |ref|) allowed on out, dq, dk, dv against fp32 eager attention.
+#: bf16 inputs: a correct run measures about 1% on the CPU stand-ins; a wrong ring gradient is off by 30% or
+#: more.
+TOLERANCE = 0.05
+BACKEND_OPS = {
+    "cudnn": ("_cudnn_attention_forward_op", "_cudnn_attention_backward_op"),
+    "flash": ("_native_flash_attention_forward_op", "_native_flash_attention_backward_op"),
+    "native": ("_native_attention_forward_op", "_native_attention_backward_op"),  # F.sdpa: runs on a CPU as is
+}
+
+
+class Context:
+    """Stands in for the autograd context: the ranks call the Function's forward and backward themselves.
+
+    Not ``Function.apply`` and ``.backward()``: autograd runs every CUDA backward on one device thread, where
+    the ranks' backwards would queue behind each other while the first waits for the others in a collective.
+    """
+
+    needs_input_grad = (True,) * 12
+    saved_tensors: tuple[Any, ...] = ()
+
+    def save_for_backward(self, *tensors: Any) -> None:
+        self.saved_tensors = tensors
+
+
+class ThreadRing:
+    """Stand-in functional collectives between ``world`` threads, one per ring rank."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=60)
+        self.slots: list[Any] = [None] * world
+        self.AsyncCollectiveTensor = type("AsyncCollectiveTensor", (), {})
+
+    def _exchange(self, rank: int, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[rank] = tensor
+        self.barrier.wait()
+        got = list(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before everyone has read them all
+        return got
+
+    def all_gather_tensor(self, tensor: torch.Tensor, gather_dim: int = 0, group: Any = None) -> torch.Tensor:
+        return torch.cat(self._exchange(group.rank, tensor), dim=gather_dim)
+
+    def permute_tensor(self, tensor: torch.Tensor, src_dst: list[int], group: Any = None) -> torch.Tensor:
+        """``src_dst[m] == n``: rank m sends to rank n (torch's contract)."""
+        got = self._exchange(group.rank, tensor)
+        return got[src_dst.index(group.rank)].clone()
+
+
+def with_funcol(fn: Any, collectives: Any) -> Any:
+    """A copy of ``fn`` that sees ``collectives`` as its module global ``funcol``."""
+    return types.FunctionType(fn.__code__, {**fn.__globals__, "funcol": collectives}, fn.__name__, fn.__defaults__)
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor) -> list[torch.Tensor]:
+    """out, dq, dk, dv of fp32 attention over the whole sequence, (B, S, H, D)."""
+    q, k, v = (x.detach().float().requires_grad_() for x in (q, k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
+    out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), v)
+    out.backward(grad_out.float())
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def run(
+    module: types.ModuleType,
+    backend: str,
+    world: int,
+    *,
+    device: str = "cpu",
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    enable_gqa: bool = False,
+    convert_to_fp32: bool = False,
+    seed: int = 0,
+    ring_forward: Any = None,
+    ring_backward: Any = None,
+    forward_op: Any = None,
+) -> dict[str, Any]:
+    """Ring attention of ``world`` chunks through ``module.TemplatedRingAttention`` as installed (or through
+    ``ring_forward`` / ``ring_backward`` / the attention ``forward_op`` given instead).
+
+    Returns ``{"status": "pass" | "wrong" | "raised", "errors": {...}, "error": text}``.
+    """
+    forward_name, backward_name = BACKEND_OPS[backend]
+    forward_op = forward_op or getattr(module, forward_name)
+    backward_op = getattr(module, backward_name)
+    cls = module.TemplatedRingAttention
+    ring = ThreadRing(world)
+    forward = with_funcol(ring_forward or cls.forward, ring)
+    backward = with_funcol(ring_backward or cls.backward, ring)
+    gen = torch.Generator().manual_seed(seed)
+    shape = (BATCH, SEQ_PER_RANK * world, HEADS, HEAD_DIM)
+    q, k, v, grad_out = (torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(4))
+    results: list[Any] = [None] * world
+
+    def rank_main(rank: int) -> None:
+        shard = slice(rank * SEQ_PER_RANK, (rank + 1) * SEQ_PER_RANK)
+        group = types.SimpleNamespace(rank=rank)
+        config = types.SimpleNamespace(
+            _ring_mesh=types.SimpleNamespace(get_group=lambda: group),
+            _ring_local_rank=rank,
+            ring_degree=world,
+            convert_to_fp32=convert_to_fp32,
+            _world_size=world,
+        )
+        inputs = [x[:, shard].to(device) for x in (q, k, v)]
+        ctx = Context()
+        try:
+            with torch.no_grad():  # as inside autograd.Function.forward / backward
+                out = forward(
+                    ctx, *inputs, attn_mask, dropout_p, is_causal, None, enable_gqa, False, forward_op, backward_op,
+                    types.SimpleNamespace(context_parallel_config=config),
+                )  # fmt: skip
+                grads = backward(ctx, grad_out[:, shard].to(device))
+            results[rank] = [out.cpu()] + [g.cpu() for g in grads[:3]]
+        except BaseException as exc:
+            results[rank] = exc
+            ring.barrier.abort()  # the other ranks stop waiting for this one
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failed = [r for r in results if isinstance(r, BaseException) and not isinstance(r, threading.BrokenBarrierError)]
+    if failed or any(isinstance(r, BaseException) for r in results):
+        exc = failed[0] if failed else next(r for r in results if isinstance(r, BaseException))
+        return {"status": "raised", "error": f"{type(exc).__name__}: {exc}", "raised": type(exc).__name__}
+    got = [torch.cat([r[i] for r in results], dim=1).float() for i in range(4)]
+    errors = {}
+    for name, g, ref in zip(("out", "dq", "dk", "dv"), got, _reference(q, k, v, grad_out), strict=True):
+        diff = torch.nan_to_num((g - ref).abs(), nan=float("inf")).max().item()
+        errors[name] = diff / ref.abs().max().item()
+    return {"status": "pass" if max(errors.values()) <= TOLERANCE else "wrong", "errors": errors}
+
+
+def main(package: bool, worlds: tuple[int, ...] = (2, 3, 4), backends: tuple[str, ...] = ("cudnn", "flash")) -> None:
+    """In a fresh interpreter: each ring degree and backend through the installed ring, one JSON line."""
+    if package:
+        import diffusers_cudnn_fix  # noqa: F401  (arms the hook)
+    import diffusers
+    import diffusers.models.attention_dispatch as module
+    import standin_kernels
+
+    standin_kernels.register()
+    cases = {}
+    for backend in backends:
+        if not hasattr(module, BACKEND_OPS[backend][1]):
+            continue
+        for world in worlds:
+            cases[f"{backend}/world={world}"] = run(module, backend, world)
+    print(json.dumps({"version": diffusers.__version__, "cases": cases}))
+    sys.stdout.flush()

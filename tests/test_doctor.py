@@ -1,0 +1,218 @@
+"""The doctor as a user's tool (``python -m diffusers_cudnn_fix``, ``diffusers_cudnn_fix/__main__.py``).
+
+* It says what to do next before anything else: on a release that needs fixes, that the fixes it shows are
+  active in its own process only and how to make them active in training (``import diffusers_cudnn_fix``
+  at the top of the entry point, or the launcher); on 0.35.2 "nothing to fix here", exit status 0 (not 3:
+  there is nothing to verify on a GPU); on 0.42.1 that the package can be removed for the gradient
+  corrections, and which guards it still has.
+* Each fix's plain title is shown, not the check's evidence (tensor shapes) unless ``--verbose``; the
+  columns of the fix table line up whatever the cells hold; nothing is cut (a long error message in the
+  GPU table is shown whole, wrapped).
+* ``--help`` is plain text listing every exit status and every switch; a usage error exits with its own
+  status (64), not 2, which says that diffusers cannot be imported.
+
+One interpreter per release (0.39.0, 0.42.1) runs the doctor in process (text, ``--verbose``, ``--json``); a
+real ``python -m diffusers_cudnn_fix`` process runs where its exit status is the point (0.35.2, usage errors).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from releases import ROOT, TESTS, release_dir, run
+
+pytestmark = pytest.mark.slow
+
+EXIT_USAGE = 64
+#: The tests reading the one 0.39.0 interpreter's results run on one pytest-xdist worker (.ci/run's -n auto).
+SHARES_0_39_0 = pytest.mark.xdist_group("test_doctor-0.39.0")
+
+DOCTOR = """
+import contextlib, io, json
+from diffusers_cudnn_fix import __main__ as doctor
+
+
+def go(*args):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = doctor.main(list(args))
+    return {"code": code, "text": out.getvalue()}
+
+
+result = {"text": go("--no-gpu"), "verbose": go("--no-gpu", "--verbose"), "json": go("--no-gpu", "--json")}
+"""
+
+# 0.39.0 only: the table the doctor prints on a GPU, with a row that raises the package's real fp32 error
+# (the text once cut it to "torch.float32/torch.fl"), rendered by the doctor's own printer.
+LONG_ERROR = """
+import torch
+from diffusers_cudnn_fix.fixes.cudnn_input_dtypes import refuse_unsupported_dtypes
+q = torch.zeros(1, 2, 2, 4)
+try:
+    refuse_unsupported_dtypes(q, q, q, None)
+except Exception as exc:
+    message = f"{type(exc).__name__}: {exc}"
+data, _ = doctor.collect(run_gpu=False)
+errors = {"out": 0.0049, "dq": 0.0085, "dk": 0.0085, "dv": 0.0068}
+data["shipped_vs_corrected"] = [
+    {"variant": "as shipped", "errors": None, "error": message},
+    {"variant": "corrected", "errors": errors, "error": None},
+    {"variant": "reference magnitudes", "errors": errors, "error": None},
+]
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    doctor._print_human(data)
+result["long_error"] = {"message": message, "text": out.getvalue()}
+"""
+
+_results: dict[str, dict] = {}
+
+
+def doctor(version: str) -> dict:
+    if version not in _results:
+        body = DOCTOR + (LONG_ERROR if version == "0.39.0" else "") + "\nprint(json.dumps(result))\n"
+        _results[version] = run(release_dir(version), body, env={"DIFFUSERS_CUDNN_FIX": "1"})
+    return _results[version]
+
+
+def _doctor_process(version: str | None, *args: str) -> subprocess.CompletedProcess:
+    paths = ([str(release_dir(version))] if version else []) + [str(ROOT), str(TESTS)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "DIFFUSERS_CUDNN_FIX"))}
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return subprocess.run(
+        [sys.executable, "-m", "diffusers_cudnn_fix", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(ROOT),
+        timeout=300,
+    )
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _first_paragraph(text: str) -> str:
+    return _words(text.strip().split("\n\n")[0])
+
+
+def _fix_table(text: str) -> list[str]:
+    """The header and the rows of the fix table (rows start at the header's indentation)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["fix", "table"])
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    rows = [lines[start]]
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            break
+        if len(line) - len(line.lstrip()) == indent:
+            rows.append(line)
+    return rows
+
+
+def assert_aligned(rows: list[str]) -> None:
+    """Every cell of every row starts where a header word starts (cells are separated by 2+ spaces, words
+    inside a cell by one)."""
+    header = rows[0]
+    starts = {m.start() for m in re.finditer(r"\S+", header)}
+    for row in rows[1:]:
+        cells = {m.start() for m in re.finditer(r"(?:(?<=^)|(?<=  ))\S", row)}
+        assert cells <= starts, f"not aligned:\n{header}\n{row}"
+
+
+def test_nothing_to_fix_on_0_35_2_exits_0() -> None:
+    proc = _doctor_process("0.35.2", "--no-gpu")
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)
+    first = _first_paragraph(proc.stdout)
+    assert first.lower().startswith("nothing to fix here"), proc.stdout
+    assert "not verified" not in proc.stdout.lower(), proc.stdout
+    assert proc.stdout.rstrip().endswith("(exit status 0)"), proc.stdout
+    assert_aligned(_fix_table(proc.stdout))
+
+
+@SHARES_0_39_0
+def test_the_next_step_comes_first_where_fixes_are_needed() -> None:
+    result = doctor("0.39.0")
+    text = result["text"]["text"]
+    assert result["text"]["code"] == 3  # active, not verified on a GPU (this machine has none)
+    first = _first_paragraph(text)
+    assert "import diffusers_cudnn_fix" in first, text
+    assert "diffusers-cudnn-fix run --" in first, text
+    assert "own process only" in first, text  # "applied: yes" is about the doctor's process, not training
+    assert "can be removed" not in text.lower()
+    data = json.loads(result["json"]["text"])
+    assert data["nothing_to_fix"] is False and data["no_gradient_correction_needed"] is False
+
+
+@SHARES_0_39_0
+def test_titles_not_evidence_and_aligned_columns() -> None:
+    result = doctor("0.39.0")
+    text, verbose = result["text"]["text"], result["verbose"]["text"]
+    data = json.loads(result["json"]["text"])
+    for fix in data["status"]["fixes"]:
+        assert _words(fix["title"]) in _words(text), fix["title"]
+    # The check's evidence (tensor shapes of the behavioural check) only with --verbose.
+    shapes = re.compile(r"\(\d+, \d+, \d+, \d+\)")
+    assert not shapes.search(text), text
+    assert shapes.search(verbose), verbose
+    rows = _fix_table(text)
+    assert len(rows) == 1 + len(data["status"]["fixes"])
+    assert any("not affected" in row for row in rows) and any(" affected " in row for row in rows)
+    assert_aligned(rows)
+
+
+def test_the_can_be_removed_advice_where_it_applies() -> None:
+    result = doctor("0.42.1")
+    data = json.loads(result["json"]["text"])
+    assert data["no_gradient_correction_needed"] is True and data["active_guards"], data
+    text = result["text"]["text"]
+    advice = [p for p in text.split("\n\n") if "can be removed" in p.lower()]
+    assert len(advice) == 1, text
+    for guard in data["active_guards"]:
+        assert guard in advice[0], advice[0]
+    assert text.index(advice[0]) < text.index(_fix_table(text)[0])  # with the next step, before the table
+    assert_aligned(_fix_table(text))
+
+
+@SHARES_0_39_0
+def test_long_messages_are_shown_whole() -> None:
+    long_error = doctor("0.39.0")["long_error"]
+    message = long_error["message"]
+    assert "torch.float32/torch.float32/torch.float32" in message and len(message) > 200
+    assert _words(message) in _words(long_error["text"]), long_error["text"]
+    rows = [line for line in long_error["text"].splitlines() if line.split()[:1] == ["variant"]]
+    start = long_error["text"].splitlines().index(rows[0])
+    assert_aligned(long_error["text"].splitlines()[start : start + 4])
+    assert all(len(line) <= 120 for line in long_error["text"].splitlines()), "a line was not wrapped"
+
+
+def test_help_is_plain_text_with_exit_statuses_and_switches() -> None:
+    proc = _doctor_process(None, "--help")
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert "``" not in text and ":func:" not in text and ":class:" not in text, text
+    for code in ("0", "1", "2", "3", str(EXIT_USAGE)):
+        assert re.search(rf"^\s+{code}\s+\w", text, re.M), f"exit status {code} not listed:\n{text}"
+    for switch in ("--json", "--no-gpu", "--verbose", "run", "DIFFUSERS_CUDNN_FIX=", "DIFFUSERS_CUDNN_FIX_SKIP="):
+        assert switch in text, switch
+    for switch in ("DIFFUSERS_CUDNN_FIX_MASK=convert|warn|error", "DIFFUSERS_CUDNN_FIX_PROBE=warn|strict|off"):
+        assert switch in text, switch
+    run_help = _doctor_process(None, "run", "--help")
+    assert run_help.returncode == 0 and "COMMAND" in run_help.stdout, run_help.stderr
+    for code in ("126", "127", str(EXIT_USAGE)):
+        assert re.search(rf"^\s+{code}\s+\w", run_help.stdout, re.M), (code, run_help.stdout)
+
+
+def test_a_usage_error_has_its_own_exit_status() -> None:
+    bad = _doctor_process(None, "--no-such-switch")
+    assert bad.returncode == EXIT_USAGE, (bad.returncode, bad.stderr)
+    assert "--no-such-switch" in bad.stderr and bad.stdout == ""
+    no_diffusers = _doctor_process(None, "--no-gpu")  # no release on the path: diffusers cannot be imported
+    assert no_diffusers.returncode == 2, (no_diffusers.returncode, no_diffusers.stdout, no_diffusers.stderr)
+    assert "cannot import" in no_diffusers.stdout
