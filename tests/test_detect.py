@@ -119,15 +119,15 @@ def test_ring_route_check_passes_the_corrected_ring_and_leaves_the_shipped_one_t
     shipped ring's steps never see another rank's K/V (ring_backward's bug), so the route is not this check's.
     0.40.0 and later (broken) run in tests/test_guards.py, in a fresh interpreter."""
     import diffusers_cudnn_fix
-    from diffusers_cudnn_fix.fixes import ring_grad_route
+    from diffusers_cudnn_fix.fixes import ring_backward, ring_grad_route
 
     cls = patched.TemplatedRingAttention
-    targets = (ring_grad_route.FORWARD, ring_grad_route.BACKWARD)
+    targets = (ring_backward.FORWARD, ring_backward.BACKWARD)
     shipped = {t: diffusers_cudnn_fix.get_original(t).__func__ for t in targets}
-    installed = {ring_grad_route.FORWARD: cls.forward, ring_grad_route.BACKWARD: cls.backward}
+    installed = {ring_backward.FORWARD: cls.forward, ring_backward.BACKWARD: cls.backward}
 
     def lookup(objects: dict) -> object:
-        return lambda name: cls if name == ring_grad_route.CLASS else objects.get(name)
+        return lambda name: cls if name == ring_backward.CLASS else objects.get(name)
 
     found = ring_grad_route.check(lookup(installed))
     assert found.state == "ok" and "reaches its owner" in found.detail, found
