@@ -92,33 +92,29 @@ def job(version: str, package: bool, mask: str | None = None) -> dict:
     ``mask``: ``None`` runs every case with ``DIFFUSERS_CUDNN_FIX_MASK`` removed from the ranks' environment
     (the package's default); a value runs only the QwenImage case with that switch.
     """
-    key = (version, package, mask)
-    if key not in _jobs:
-        modes = cases(version, package, mask)
-        script = SCRIPT.format(package=package, modes=modes, mask=mask)
-        try:
-            _jobs[key] = run(release_dir(version), script, timeout=JOB_TIMEOUT_S)
-        except BaseException as exc:
-            _jobs[key] = exc
-    result = _jobs[key]
-    if isinstance(result, BaseException):
-        raise result
+    script = SCRIPT.format(package=package, modes=cases(version, package, mask), mask=mask)
+    result = _cached_run((version, package, mask), script)
     _check_job(version, package, mask, result)
     return result
 
 
 def unified_job(version: str, package: bool) -> dict:
     """The (cached) result of the 4-rank unified-attention job (kept with the others, mask key ``"unified"``)."""
-    key = (version, package, UNIFIED)
+    result = _cached_run((version, package, UNIFIED), UNIFIED_SCRIPT.format(package=package))
+    _check_job(version, package, None, result)
+    return result
+
+
+def _cached_run(key: tuple[str, bool, str | None], script: str) -> dict:
+    """The job ``key`` (release first), run once; a failure to get a result is cached and re-raised too."""
     if key not in _jobs:
         try:
-            _jobs[key] = run(release_dir(version), UNIFIED_SCRIPT.format(package=package), timeout=JOB_TIMEOUT_S)
+            _jobs[key] = run(release_dir(key[0]), script, timeout=JOB_TIMEOUT_S)
         except BaseException as exc:
             _jobs[key] = exc
     result = _jobs[key]
     if isinstance(result, BaseException):
         raise result
-    _check_job(version, package, None, result)
     return result
 
 
