@@ -6,8 +6,9 @@
 #   bash benchmarks/gpu_session.sh import  # bench_import.py and hook_phases.py on that machine's CPU
 #   bash benchmarks/gpu_session.sh references  # tests/test_references.py under that machine's Python
 #   bash benchmarks/gpu_session.sh hook-ab  # the hook only, this package against .base, more runs
-#   bash benchmarks/gpu_session.sh trust    # launch matrix + GPU tests, random cases, mask/ops benchmark:
-#                                           # 7 files in $OUT (each step under its own time limit)
+#   bash benchmarks/gpu_session.sh trust    # launch matrix + GPU tests, random cases, mask/ops benchmark,
+#                                           # the bare kernels' masked rows: 9 files in $OUT (each step under
+#                                           # its own time limit)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -76,6 +77,10 @@ out.write_text(json.dumps({p.stem: json.loads(p.read_text()) for p in sorted(fol
 PY
     step bench "${DCF_BENCH_LIMIT:-60}" python3 benchmarks/bench_gpu.py --out "$OUT/bench-gpu.json" 2>&1 \
         | tee "$OUT/bench-gpu.log"
+    # The bare cuDNN kernels with fully masked rows and few key positions (what cudnn_masked_row_grads is for).
+    step "dead rows" "${DCF_DEAD_ROWS_LIMIT:-90}" python3 benchmarks/probe_dead_rows.py \
+        --budget $(( ${DCF_DEAD_ROWS_LIMIT:-90} - 15 )) --out "$OUT/probe-dead-rows.json" 2>&1 \
+        | tee "$OUT/probe-dead-rows.log"
     date -u >>"$OUT/gpu-session.log"
     ;;
 tests)

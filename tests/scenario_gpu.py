@@ -183,6 +183,73 @@ def masks() -> dict[str, Any]:
     return results
 
 
+def one_key_masked_rows() -> dict[str, Any]:
+    """S_kv = 1 with fully masked query rows (bf16, S_q = 7: where the bare cuDNN backward goes wrong) through
+    the installed op pair, and through the backward the masked-row guard wraps (the control). Errors are
+    relative to the fp32 math SDPA reference's largest value over out, dq, dk and dv."""
+    backward = module._cudnn_attention_backward_op
+    unguarded = getattr(backward, "__wrapped__", None)
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    q, grad = (torch.randn(2, 7, 3, 32, generator=gen, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(2, 1, 3, 32, generator=gen, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    keep = torch.ones(2, 1, 7, 1, dtype=torch.bool, device=DEVICE)
+    keep[:, :, 3] = False
+    keep[1, :, 5] = False
+    ref_leaves = [x.float().transpose(1, 2).detach().requires_grad_(True) for x in (q, k, v)]
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        ref_out = torch.nn.functional.scaled_dot_product_attention(*ref_leaves, attn_mask=keep)
+    ref_out.backward(grad.float().transpose(1, 2))
+    golden = {n: t.transpose(1, 2).float() for n, t in zip(NAMES, (ref_out.detach(), *(x.grad for x in ref_leaves)))}
+    golden = {n: torch.nan_to_num(t) for n, t in golden.items()}
+
+    def run(mask: torch.Tensor, backward_op: Any) -> dict[str, Any]:
+        class Harness(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, v):
+                q, k, v = (x.clone() for x in (q, k, v))
+                return module._cudnn_attention_forward_op(
+                    ctx, q, k, v, mask, 0.0, False, None, False, False,
+                    _save_ctx=True, _parallel_config=probe._TRAINING_CP,
+                )  # fmt: skip
+
+            @staticmethod
+            def backward(ctx, g):
+                return tuple(backward_op(ctx, g)[:3])
+
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        try:
+            out = Harness.apply(*leaves)
+            out.backward(grad)
+        except Exception as exc:
+            return {"raised": f"{type(exc).__name__}: {str(exc)[:160]}"}
+        got = {"out": out.detach(), **dict(zip(("dq", "dk", "dv"), (x.grad for x in leaves)))}
+        # One key: the true dQ and dK are 0, so every error is taken relative to the largest reference value.
+        scale = max(golden[n].abs().max().item() for n in NAMES)
+        return {
+            n: torch.nan_to_num((got[n].float() - golden[n]).abs(), nan=float("inf")).max().item() / scale
+            for n in NAMES
+        }
+
+    diffusers_cudnn_fix.set_mask_mode("convert")
+    fills = {
+        "bool (converted)": keep,
+        "additive bf16, fill -inf": torch.zeros(keep.shape, dtype=torch.bfloat16, device=DEVICE).masked_fill_(
+            ~keep, float("-inf")
+        ),
+        "additive bf16, fill finfo.min": torch.zeros(keep.shape, dtype=torch.bfloat16, device=DEVICE).masked_fill_(
+            ~keep, torch.finfo(torch.bfloat16).min
+        ),
+    }
+    results: dict[str, Any] = {"guarded": unguarded is not None}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, mask in fills.items():
+            results[name] = run(mask, backward)
+            if unguarded is not None:
+                results[f"{name}, unguarded"] = run(mask, unguarded)
+    return results
+
+
 def ring_chunks() -> dict[str, Any]:
     """``TemplatedRingAttention`` with 2 and 3 ring chunks on this one GPU (one thread per ring rank,
     ``scenario_ring``), cuDNN and flash ops, as installed (corrected where the package replaced the ring) and,
@@ -202,11 +269,13 @@ def ring_chunks() -> dict[str, Any]:
         for world in (2, 3):
             results[f"{backend}/world={world}"] = scenario_ring.run(module, backend, world, device="cuda")
             if shipped:
-                control = {"ring_forward": shipped["forward"], "ring_backward": shipped["backward"]}
+                # diffusers' own ring as it shipped: the corrected forward/backward (<= 0.39) or the guarded
+                # backward (0.40+) replaced by the originals.
+                control = {f"ring_{name}": function for name, function in shipped.items()}
                 results[f"{backend}/world={world}/shipped ring"] = scenario_ring.run(
                     module, backend, world, device="cuda", **control
                 )
-    return {"ring_patched": bool(shipped), "cases": results}
+    return {"ring_patched": "forward" in shipped, "ring_replaced": sorted(shipped), "cases": results}
 
 
 def main() -> None:
@@ -221,6 +290,7 @@ def main() -> None:
     result["probes"] = probes()
     result["ulysses_nccl"] = ulysses_nccl()
     result["masks"] = masks()
+    result["one_key_masked_rows"] = one_key_masked_rows()
     result["ring_chunks"] = ring_chunks()
     result["status"] = diffusers_cudnn_fix.status().to_dict()
     print(json.dumps(result, default=str))

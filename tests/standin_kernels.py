@@ -18,7 +18,8 @@ read as numbers), and a forgiving stand-in would hide them. So the stand-ins:
   missing or stale log-sum-exp is exposed;
 * reproduce the real ops' silent misbehaviours (documented one by one below): fp32 inputs give
   garbage, a bool or wrongly typed ``attn_bias`` is misread, a ``grad_out`` whose strides differ from
-  ``out``'s gives wrong gradients. Two of these can be turned into errors with
+  ``out``'s gives wrong gradients, a fully masked query row with one key/value position gets wrong
+  gradients from the backward. Two of these can be turned into errors with
   :func:`strict_dtype` and :func:`strict_grad_out_strides`.
 
 Public API: :func:`register`, :func:`is_registered`, :func:`strict_dtype`,
@@ -496,6 +497,27 @@ def _cudnn_forward(
     return out, logsumexp, None, None, s_q, s_kv, seed, offset, None
 
 
+def _single_key_masked_row_fault(
+    query: torch.Tensor, key: torch.Tensor, bias32: torch.Tensor | None, lse3: torch.Tensor, scale: float
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The cuDNN backward's fault with one key/value position: (bias, log-sum-exp) as it computes with them.
+
+    Measured on an H200 (cuDNN 9.19, bare kernels): with S_kv = 1, a query row whose only key is masked
+    gets wrong dQ/dK/dV from the backward in bf16 with S_q < 8 (fp16, longer queries and every other S_kv
+    are right; the forward's 0 for that row is right). Modelled as the backward treating the row as
+    unmasked: its probability is 1 instead of 0. A ``grad_out`` of 0 in that row makes every gradient right
+    again, on the GPU as here.
+    """
+    if bias32 is None or key.size(2) != 1 or query.dtype != torch.bfloat16 or query.size(2) >= 8:
+        return bias32, lse3
+    masked = torch.isneginf(_apply_exp2_overflow(bias32)).all(dim=-1)  # (B, H, S_q)
+    if not bool(masked.any()):
+        return bias32, lse3
+    unmasked = bias32.masked_fill(masked.unsqueeze(-1), 0.0)
+    scores = _scores(query.float(), _expand_heads(key.float(), query.size(1)), unmasked, False, scale)
+    return unmasked, torch.where(masked, scores[..., 0], lse3)
+
+
 def _cudnn_backward(
     grad_out: torch.Tensor,
     query: torch.Tensor,
@@ -548,6 +570,7 @@ def _cudnn_backward(
 
     batch, heads, s_q = query.shape[:3]
     bias32 = _read_bias(attn_bias, query.dtype, (batch, heads, s_q, key.size(2)))
+    bias32, lse3 = _single_key_masked_row_fault(query, key, bias32, lse3, _scale_of(query, scale))
     grads = _backward_fp32(
         grad_out.to(torch.float32),
         query,

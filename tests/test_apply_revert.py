@@ -22,7 +22,14 @@ TARGETS = (
 
 # docs/behaviour.md, "Fix ids": the gradient corrections, then the guards.
 CORRECTIONS = ("cudnn_forward_lse", "cudnn_backward_kv", "flash_backward_kv", "ulysses_grad_count", "ring_backward")
-GUARDS = ("cudnn_bool_mask", "cudnn_input_dtypes", "flash_input_alignment", "ulysses_mask_grad", "ring_grad_route")
+GUARDS = (
+    "cudnn_bool_mask",
+    "cudnn_input_dtypes",
+    "cudnn_masked_row_grads",
+    "flash_input_alignment",
+    "ulysses_mask_grad",
+    "ring_grad_route",
+)
 
 
 def _raw_get(module: types.ModuleType, target: str) -> object:

@@ -66,19 +66,28 @@ def test_templated_ulysses_attention_over_nccl_gives_reference_gradients(gpu_res
 
 
 def test_ring_with_several_chunks_on_one_gpu(gpu_result: dict) -> None:
-    """Ring attention with 2 and 3 chunks (a thread per ring rank) on the real kernels: correct where the
-    package corrected the ring (and diffusers' own ring wrong there: the control). Upstream's ring (0.40+) is
-    asserted at 2 chunks; at 3 its K/V gradients are wrong (measured on the CPU stand-ins and on an H200,
-    docs/kernel-facts.md; printed here)."""
+    """Ring attention with 2 and 3 chunks (a thread per ring rank) on the real kernels.
+
+    Where the package corrected the ring (<= 0.39) every case is right and diffusers' own ring is wrong or
+    raises (the control). On 0.40+ the shipped ring is right at 2 chunks and its K/V gradients are wrong at 3
+    (docs/kernel-facts.md): the control shows it, and the installed ring (``ring_grad_route``) refuses that
+    backward with a clear error instead.
+    """
     ring = gpu_result["ring_chunks"]
-    assert ring["ring_patched"] is (gpu_result["version"] in CORRECTED), ring
+    corrected = gpu_result["version"] in CORRECTED
+    assert ring["ring_patched"] is corrected, ring
+    assert ring["ring_replaced"] == (["backward", "forward"] if corrected else ["backward"]), ring
     for case, result in ring["cases"].items():
-        if case.endswith("/shipped ring"):
-            assert result["status"] in ("wrong", "raised"), (case, result)
-        elif ring["ring_patched"] or "world=2" in case:
-            assert result["status"] == "pass", (case, result)
+        shipped_control = case.endswith("/shipped ring")
+        if corrected:
+            expected = ("wrong", "raised") if shipped_control else ("pass",)
+        elif "world=2" in case:
+            expected = ("pass",)
         else:
-            print(case, result)
+            expected = ("wrong",) if shipped_control else ("raised",)
+        assert result["status"] in expected, (case, result)
+        if result["status"] == "raised" and not shipped_control:
+            assert result["raised"] == "UnsafeAttentionError", (case, result)
 
 
 def test_mask_conversion_against_math_sdpa(gpu_result: dict) -> None:
@@ -89,6 +98,17 @@ def test_mask_conversion_against_math_sdpa(gpu_result: dict) -> None:
     passed_through = masks["bool mask, mode warn"]
     assert passed_through["errors"]["out"] > 0.5, passed_through  # the bug, on real cuDNN
     assert "UnsafeAttentionError" in masks["bool mask, mode error"]["raised"]
+
+
+def test_fully_masked_rows_with_one_key_get_right_gradients(gpu_result: dict) -> None:
+    """S_kv = 1, bf16, fully masked query rows: right through the installed ops (the masked-row guard); the
+    backward it wraps, on the same inputs, returns wrong dQ/dK/dV on the real kernel (the control)."""
+    cases = gpu_result["one_key_masked_rows"]
+    assert cases["guarded"], cases
+    for name in ("bool (converted)", "additive bf16, fill -inf", "additive bf16, fill finfo.min"):
+        assert "raised" not in cases[name] and max(cases[name].values()) < 0.05, (name, cases[name])
+    control = cases["additive bf16, fill -inf, unguarded"]
+    assert control["out"] < 0.05 and max(control["dq"], control["dk"], control["dv"]) > 0.2, control
 
 
 # --- launch orders -----------------------------------------------------------------------------------------

@@ -105,7 +105,9 @@ for step in STEPS:
 # What each release looks like, patched and reverted.
 PATCHED_TARGETS = {
     "0.39.0": {FWD, BWD, FLASH_BWD},
-    "0.42.1": {FWD},  # the mask and input-dtype guards wrap the forward; the gradient ops are right as shipped
+    # The mask and input-dtype guards wrap the forward, the masked-row guard the backward; the gradient ops are
+    # right as shipped.
+    "0.42.1": {FWD, BWD},
     "0.35.2": set(),  # the ops do not exist
 }
 APPLIED = {
@@ -114,6 +116,7 @@ APPLIED = {
         "cudnn_bool_mask",
         "cudnn_forward_lse",
         "cudnn_input_dtypes",
+        "cudnn_masked_row_grads",
         "flash_backward_kv",
         "flash_input_alignment",
         "ring_backward",
@@ -122,6 +125,7 @@ APPLIED = {
     "0.42.1": [
         "cudnn_bool_mask",
         "cudnn_input_dtypes",
+        "cudnn_masked_row_grads",
         "flash_input_alignment",
         "ring_grad_route",
         "ulysses_mask_grad",
@@ -250,7 +254,7 @@ def test_the_checks_catch_a_missing_patch() -> None:
     with pytest.raises(AssertionError) as failure:
         _check("0.39.0", snapshots, states[:4])
     message = str(failure.value)
-    assert "after 'diffusers' (expected patched): is_patched" in message
+    assert "after 'diffusers' (expected patched): applied fixes" in message
     assert "cudnn gradient" in message
     # ... while the reverted state still matches, and is not taken for the patched one: the checks tell
     # the states apart.

@@ -17,6 +17,7 @@ CARRIES = {
     "ring_backward": {"0.36.0", "0.37.0", "0.37.1", "0.38.0", "0.39.0"},
     "cudnn_bool_mask": set(RELEASES) - {"0.35.2"},
     "cudnn_input_dtypes": set(RELEASES) - {"0.35.2"},
+    "cudnn_masked_row_grads": set(RELEASES) - {"0.35.2"},
     "ulysses_mask_grad": set(RELEASES) - {"0.35.2"},
     "flash_input_alignment": set(RELEASES) - {"0.35.2", "0.36.0"},
     "ring_grad_route": {"0.40.0", "0.41.0", "0.42.0", "0.42.1"},

@@ -33,6 +33,7 @@ LAYERS = {
     "fixes.ring_grad_route": 5,
     "fixes.cudnn_bool_mask": 4,
     "fixes.cudnn_input_dtypes": 4,
+    "fixes.cudnn_masked_row_grads": 3,
     "fixes.ulysses_mask_grad": 4,
     "fixes.flash_input_alignment": 3,
     "fixes": 5,

@@ -28,6 +28,7 @@ FIX_IDS = (
     "ulysses_grad_count",
     "cudnn_bool_mask",
     "cudnn_input_dtypes",
+    "cudnn_masked_row_grads",
     "flash_input_alignment",
     "ulysses_mask_grad",
     "ring_backward",
@@ -200,7 +201,11 @@ def test_values_are_case_insensitive_and_stripped_in_the_environment() -> None:
             mask = bool_mask_case()
             doc = doctor("--no-gpu")
             import diffusers_cudnn_fix
-            done(diffusers_cudnn_fix.status(), patched=diffusers_cudnn_fix.is_patched(BWD), mask=mask, doctor=doc)
+            import inspect, diffusers.models.attention_dispatch as module
+            # The backward op as installed, wrappers unwrapped (the masked-row guard wraps whatever is there).
+            innermost = inspect.unwrap(module._cudnn_attention_backward_op)
+            kv_corrected = innermost.__module__.startswith("diffusers_cudnn_fix")
+            done(diffusers_cudnn_fix.status(), kv_corrected=kv_corrected, mask=mask, doctor=doc)
             """
         ),
         env={
@@ -221,7 +226,7 @@ def test_values_are_case_insensitive_and_stripped_in_the_environment() -> None:
         assert by_id[fix_id]["applied"] is False, by_id[fix_id]
         assert by_id[fix_id]["detected"] == "broken", by_id[fix_id]
         assert "skip" in by_id[fix_id]["reason"].lower(), by_id[fix_id]
-    assert result["patched"] is False
+    assert result["kv_corrected"] is False
     assert by_id["cudnn_forward_lse"]["applied"] is True and by_id["cudnn_bool_mask"]["applied"] is True
     assert status["ok"] is False  # a skipped broken fix is not OK
     # " WARN ": the bool mask is passed through (wrong), with one MaskMisreadWarning; the doctor says so.

@@ -11,6 +11,7 @@ from . import (
     cudnn_bool_mask,
     cudnn_forward_lse,
     cudnn_input_dtypes,
+    cudnn_masked_row_grads,
     flash_backward_kv,
     flash_input_alignment,
     ring_backward,
@@ -29,6 +30,8 @@ ALL_FIXES: tuple[Fix, ...] = (
     # no correction is offered.
     cudnn_bool_mask.FIX,
     cudnn_input_dtypes.FIX,
+    # Around the (corrected) cuDNN backward: no gradient for fully masked rows where S_kv is 1.
+    cudnn_masked_row_grads.FIX,
     flash_input_alignment.FIX,
     ulysses_mask_grad.FIX,
     # Ring attention's correction: drives the corrected cuDNN / flash backward ops one ring step at a time

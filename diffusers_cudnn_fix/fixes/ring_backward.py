@@ -216,7 +216,7 @@ def ring_attention_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tup
     has just worked on the same chunk) and passed on to rank ``rank + 1``: after the last step that is the
     chunk's owner.
     """
-    backend = STEP_BACKWARD_OPS.get(ctx.backward_op)
+    backend = step_backend(ctx.backward_op, STEP_BACKWARD_OPS)  # the global as this function sees it (the check's)
     if backend is None:
         raise UnsafeAttentionError(unsupported_backend_message(ctx.backward_op))
     record = getattr(ctx, RECORD, None)
@@ -266,6 +266,18 @@ def ring_attention_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tup
     grad_value = grad_kv[numel:].reshape(ctx.kv_shape)
     dtype = grad_out.dtype
     return (grad_query.to(dtype), grad_key.to(dtype), grad_value.to(dtype), *(None,) * (INPUTS - 3))
+
+
+def step_backend(backward_op: Any, known: Mapping[Any, str]) -> str | None:
+    """The backend (by ``known``) whose corrected backward op ``backward_op`` is, also behind wrappers that
+    name what they wrap (``functools.wraps``, as the masked-row guard's does); None for any other op."""
+    op = backward_op
+    for _ in range(8):  # a wrapper chain, not a cycle
+        backend = known.get(op)
+        if backend is not None or not hasattr(op, "__wrapped__"):
+            return backend
+        op = op.__wrapped__
+    return None
 
 
 def unsupported_backend_message(backward_op: Any) -> str:
