@@ -24,7 +24,7 @@ IN_PROCESS_RELEASE = "0.39.0"
 #: named in the test's parameter id) or "module" (one for the whole module).
 SHARED_WORK = {
     "test_release_matrix": "release",  # one interpreter per (release, import order), read by three tests
-    "test_cp_training": "release",  # one two-rank job per (release, package, mask switch), read by several
+    "test_cp_training": "release",  # one launcher per release runs its jobs (release, package, mask switch)
     "test_properties": "module",  # one module fixture starts the search of every selected test
     "test_doctor": "module",  # one doctor run per release, cached, read by several tests naming no release
 }

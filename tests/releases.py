@@ -35,7 +35,9 @@ def release_dir(version: str) -> Path:
     partial = CACHE / f".{version}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     CACHE.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", str(partial)]
+    # pip compiles the bytecode here, once: the suite starts hundreds of interpreters that import diffusers, and
+    # where PYTHONDONTWRITEBYTECODE is set (as on the CI machines) each would otherwise compile it again.
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(partial)]
     wheels = os.environ.get("DIFFUSERS_WHEELS")  # a folder of wheels, for machines without an index
     if wheels:
         cmd += ["--no-index", "--find-links", wheels]

@@ -4,11 +4,13 @@ Run in a fresh interpreter whose ``PYTHONPATH`` starts with one diffusers releas
 
     python -c "import scenario_cp_training as s; s.launch(package=True)"
     python -c "import scenario_cp_training as s; s.launch(package=True, modes=('qwen_ulysses',), mask_switch='warn')"
+    python -c "import scenario_cp_training as s; s.launch_many([{'package': True}, {'package': False}])"
 
-``launch`` imports torch (nothing else: no diffusers, no package, no thread, no process group), forks the
-rank processes (two, or four for unified attention) and waits for them under a deadline. Forking after
-torch saves each rank torch's import, most of its CPU time; diffusers and the package are imported in each
-rank, in that rank's order. Each rank:
+``launch`` imports torch and ``torch._dynamo`` (nothing else: no diffusers, no package, no thread, no process
+group), forks the rank processes (two, or four for unified attention) and waits for them under a deadline.
+Forking after torch saves each rank torch's import, most of its CPU time; diffusers and the package are
+imported in each rank, in that rank's order. ``launch_many`` runs several such jobs one after the other
+from the one launcher (the test runs all the jobs of a release so). Each rank runs on one torch thread and:
 
 1. imports ``diffusers_cudnn_fix`` first when ``package`` is true (never otherwise), then diffusers;
 2. joins a 2-rank gloo group (``file://`` rendezvous in a temporary folder: no network at all); rank 0,
@@ -134,15 +136,59 @@ def launch(
     ``mask_switch``: the ``DIFFUSERS_CUDNN_FIX_MASK`` the ranks get; ``None`` removes it (package default).
     ``world_size``: 2, or 4 for the ``unified`` case.
     """
-    import multiprocessing as mp
+    job = dict(
+        package=package, modes=modes, steps=steps, deadline_s=deadline_s, mask_switch=mask_switch, world_size=world_size
+    )
+    _check_job(job)
+    print(json.dumps(_run_job(job)))
 
-    unknown = [mode for mode in modes if mode not in CASES]
+
+def launch_many(jobs: list[dict[str, Any]]) -> None:
+    """Run several jobs (each a dict of ``launch``'s arguments) one after the other, each with ranks of its own
+    forked from this one launcher; print one JSON line ``{"jobs": [result, ...]}``, in the order given.
+
+    One launcher per release instead of one per job: the interpreter start and torch's import are paid once.
+    Before each job a line ``JOB_MARK + index`` goes to stderr, so that a job's own output can be told apart.
+    Then the launcher ends at once (``os._exit``): every rank has been joined and every temporary folder
+    removed, and the interpreter's teardown of torch's modules would only cost CPU time.
+    """
+    jobs = [{**job, "modes": tuple(job.get("modes", MODES))} for job in jobs]
+    for job in jobs:
+        _check_job(job)  # all of them before any runs
+    results = []
+    for index, job in enumerate(jobs):
+        print(f"{JOB_MARK}{index}", file=sys.stderr, flush=True)
+        results.append(_run_job(job))
+    print(json.dumps({"jobs": results}))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+#: The stderr line ``launch_many`` writes before each job (followed by the job's index).
+JOB_MARK = "--- scenario_cp_training job "
+
+
+def _check_job(job: dict[str, Any]) -> None:
+    unknown = [mode for mode in job["modes"] if mode not in CASES]
     if unknown:
         raise ValueError(f"unknown cases {unknown}; known: {list(CASES)}")
-    for mode in modes:
+    world_size = job.get("world_size", WORLD_SIZE)
+    for mode in job["modes"]:
         degrees = DEGREES[CASES[mode][1]]
         if math.prod(degrees.values()) != world_size:
             raise ValueError(f"case {mode} ({degrees}) needs a world size of {math.prod(degrees.values())}")
+
+
+def _run_job(job: dict[str, Any]) -> dict[str, Any]:
+    """One job: fork its ranks, wait for them under the deadline, collect their files."""
+    import multiprocessing as mp
+
+    package = job["package"]
+    modes = tuple(job["modes"])
+    mask_switch = job.get("mask_switch")
+    world_size = job.get("world_size", WORLD_SIZE)
+    deadline_s = job.get("deadline_s", RANK_DEADLINE_S)
     # The forked ranks inherit this process's environment as it is when they start.
     if mask_switch is None:
         os.environ.pop(MASK_VAR, None)
@@ -151,15 +197,18 @@ def launch(
     started = time.monotonic()
     # The ranks are forked from this launcher after it imported torch (and nothing else: no diffusers, no
     # package, no thread, no process group), so that each rank imports diffusers and the package in its own
-    # order without paying for torch's import again: most of a rank's CPU time in a 2-core CI run.
-    import torch  # noqa: F401
+    # order without paying for torch's import again. torch._dynamo too: every release's diffusers imports it
+    # (diffusers.utils.torch_utils) and it is most of the CPU time of diffusers' import; it is torch's own
+    # module, so what a rank imports in its chosen order (diffusers, the package) is unchanged.
+    import torch
+    import torch._dynamo  # noqa: F401
 
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="cp_training_") as tmp:
         spec = {
             "package": package,
             "modes": list(modes),
-            "steps": steps,
+            "steps": job.get("steps", 2),
             "tmp": tmp,
             "mask_switch": mask_switch,
             "world_size": world_size,
@@ -182,19 +231,15 @@ def launch(
                     ranks.append(json.load(f))
             else:
                 ranks.append({"rank": rank, "fatal": "no result file", "exitcode": proc.exitcode})
-    print(
-        json.dumps(
-            {
-                "package": package,
-                "mask_switch": mask_switch,
-                "modes": list(modes),
-                "ranks": ranks,
-                "exitcodes": [proc.exitcode for proc in procs],
-                "timed_out": timed_out,
-                "wall_s": round(time.monotonic() - started, 2),
-            }
-        )
-    )
+    return {
+        "package": package,
+        "mask_switch": mask_switch,
+        "modes": list(modes),
+        "ranks": ranks,
+        "exitcodes": [proc.exitcode for proc in procs],
+        "timed_out": timed_out,
+        "wall_s": round(time.monotonic() - started, 2),
+    }
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -246,6 +291,12 @@ def rank_main(rank: int, spec: dict[str, Any]) -> None:
 
 
 def _run_rank(rank: int, spec: dict[str, Any], rec: _Warnings, result: dict[str, Any]) -> None:
+    import torch
+
+    # One intra-op thread per rank: the tensors are tiny, and torch's default (one thread per core) in each of
+    # 2-4 ranks oversubscribes a small machine, where the idle threads spin and take more CPU than the work.
+    torch.set_num_threads(1)
+    started = time.monotonic()
     order = IMPORT_ORDERS[rank % 2] if spec["package"] else None
     result["import_order"] = order
     if order == "package_first":
@@ -253,7 +304,6 @@ def _run_rank(rank: int, spec: dict[str, Any], rec: _Warnings, result: dict[str,
     import datetime
 
     import diffusers
-    import torch
     import torch.distributed as dist
 
     result["diffusers_version"] = diffusers.__version__
@@ -275,7 +325,7 @@ def _run_rank(rank: int, spec: dict[str, Any], rec: _Warnings, result: dict[str,
 
     wanted = [name for name in ("flux", "qwen") if any(CASES[mode][0] == name for mode in spec["modes"])]
     built = {}  # name -> (bf16 model, inputs, target, cast keys)
-    result["seconds"] = {}
+    result["seconds"] = {"imports": round(time.monotonic() - started, 2)}
     for name in wanted:
         t0 = time.monotonic()
         built[name] = _build(name)

@@ -1,12 +1,13 @@
 """One training step of tiny real Flux and QwenImage transformers under diffusers' own context parallelism,
 2 gloo ranks (4 for unified attention).
 
-Per (release, package imported or not) one job: a fresh launcher interpreter with the release first on
-``PYTHONPATH`` forks two rank processes, which train the tiny Flux with Ulysses degree 2 and then ring
-degree 2, then the tiny QwenImage with padded prompts (a bool joint attention mask reaches the cuDNN op,
-#14342) with Ulysses degree 2, all with the ``_native_cudnn`` backend on the CPU stand-in kernels
-(``scenario_cp_training.py``). With the package, rank 0 imports it before diffusers and rank 1 after: both
-import orders in every job. With the package no mask switch is set: the ranks run on its default.
+Per (release, package imported or not) one job: a launcher interpreter with the release first on
+``PYTHONPATH`` (one per release, running that release's jobs one after the other) forks two rank processes,
+which train the tiny Flux with Ulysses degree 2 and then ring degree 2, then the tiny QwenImage with padded
+prompts (a bool joint attention mask reaches the cuDNN op, #14342) with Ulysses degree 2, all with the
+``_native_cudnn`` backend on the CPU stand-in kernels (``scenario_cp_training.py``). With the package, rank 0
+imports it before diffusers and rank 1 after: both import orders in every job. With the package no mask
+switch is set: the ranks run on its default.
 Unified attention (Ulysses 2 x ring 2) runs in 4-rank jobs of its own (``unified_job``).
 Two more jobs run only the QwenImage case with ``DIFFUSERS_CUDNN_FIX_MASK=warn`` (the mask passed through as
 upstream does), to show that the test sees the bug. The summed parameter gradients are compared with a
@@ -31,6 +32,7 @@ import os
 
 import pytest
 from releases import release_dir, run
+from scenario_cp_training import JOB_MARK
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +59,8 @@ QWEN_CORRECT = ("0.39.0", "0.40.0", "0.41.0", "0.42.0", "0.42.1")
 #: 0.38.0's plan does not shard the mask: the joint mask is built once, full length, in the global order
 #: [text, image], while the Ulysses K/V are in the all-to-all order [text_0, image_0, text_1, image_1]. Right
 #: padding then masks image tokens and keeps padding: wrong with or without conversion (upstream, fixed in
-#: 0.39.0; left padding inside rank 0's text shard happens to line up and measures correct).
+#: 0.39.0; left padding inside rank 0's text shard happens to line up and measures correct). The package
+#: refuses such a mask there (``qwen_joint_mask_order``).
 QWEN_MASK_LAYOUT_BROKEN = ("0.38.0",)
 #: 0.37.x build a 2-D (B, S) joint mask that F.sdpa broadcasts as (S_q, S_kv): a padded prompt raises even
 #: in one process on the math backend (the reference), so there is nothing to compare and the case is not
@@ -78,12 +81,16 @@ ATTENTION_LAYERS = 2
 #: cuDNN forward / backward kernel calls per step and rank: ring runs one per ring step (degree 2).
 KERNEL_CALLS = {"ulysses": ATTENTION_LAYERS, "ring": 2 * ATTENTION_LAYERS, UNIFIED: 2 * ATTENTION_LAYERS, QWEN: 2}
 
-JOB_TIMEOUT_S = 300  # the launcher gives its ranks 240 s, then terminates them
-SCRIPT = "import scenario_cp_training as s; s.launch(package={package!r}, modes={modes!r}, mask_switch={mask!r})"
+JOB_TIMEOUT_S = 300  # per job: the launcher gives a job's ranks 240 s, then terminates them
+#: One launcher per release runs every job of that release the selected tests read, one after the other
+#: (``_plan``, ``scenario_cp_training.launch_many``): the interpreter start and torch's import once, not per job.
+SCRIPT = "import scenario_cp_training as s; s.launch_many({jobs!r})"
 
-UNIFIED_SCRIPT = "import scenario_cp_training as s; s.launch(package={package!r}, modes=('unified',), world_size=4)"
-
-_jobs: dict[tuple[str, bool, str | None], object] = {}
+#: (release, package imported, mask switch; ``UNIFIED`` for the 4-rank job).
+JobKey = tuple[str, bool, str | None]
+_jobs: dict[JobKey, object] = {}
+#: Release -> the jobs the selected tests of this module read (``_plan``), in a fixed order.
+_planned: dict[str, list[JobKey]] = {}
 
 
 def job(version: str, package: bool, mask: str | None = None) -> dict:
@@ -92,30 +99,94 @@ def job(version: str, package: bool, mask: str | None = None) -> dict:
     ``mask``: ``None`` runs every case with ``DIFFUSERS_CUDNN_FIX_MASK`` removed from the ranks' environment
     (the package's default); a value runs only the QwenImage case with that switch.
     """
-    script = SCRIPT.format(package=package, modes=cases(version, package, mask), mask=mask)
-    result = _cached_run((version, package, mask), script)
+    result = _cached_run((version, package, mask))
     _check_job(version, package, mask, result)
     return result
 
 
 def unified_job(version: str, package: bool) -> dict:
     """The (cached) result of the 4-rank unified-attention job (kept with the others, mask key ``"unified"``)."""
-    result = _cached_run((version, package, UNIFIED), UNIFIED_SCRIPT.format(package=package))
+    result = _cached_run((version, package, UNIFIED))
     _check_job(version, package, None, result)
     return result
 
 
-def _cached_run(key: tuple[str, bool, str | None], script: str) -> dict:
-    """The job ``key`` (release first), run once; a failure to get a result is cached and re-raised too."""
+def _launch_args(key: JobKey) -> dict:
+    """``scenario_cp_training.launch``'s arguments for the job ``key``."""
+    version, package, mask = key
+    if mask == UNIFIED:
+        return {"package": package, "modes": (UNIFIED,), "world_size": 4}
+    return {"package": package, "modes": cases(version, package, mask), "mask_switch": mask}
+
+
+def _cached_run(key: JobKey) -> dict:
+    """The job ``key`` (release first), run once; a failure to get a result is cached and re-raised too.
+
+    The first job asked for of a release runs in one launcher together with the other jobs of that release
+    that the selected tests read (``_planned``); a job no test was planned for runs on its own.
+    """
     if key not in _jobs:
+        batch = [key, *(other for other in _planned.get(key[0], ()) if other != key and other not in _jobs)]
         try:
-            _jobs[key] = run(release_dir(key[0]), script, timeout=JOB_TIMEOUT_S)
+            out = run(
+                release_dir(key[0]),
+                SCRIPT.format(jobs=[_launch_args(k) for k in batch]),
+                timeout=JOB_TIMEOUT_S * len(batch),
+            )
+            for index, (k, result) in enumerate(zip(batch, out["jobs"], strict=True)):
+                result["_stderr"] = _job_stderr(out["_stderr"], index)
+                _jobs[k] = result
         except BaseException as exc:
-            _jobs[key] = exc
+            for k in batch:
+                _jobs[k] = exc
     result = _jobs[key]
     if isinstance(result, BaseException):
         raise result
     return result
+
+
+def _job_stderr(stderr: str, index: int) -> str:
+    """The part of a launcher's stderr that its job ``index`` wrote (see ``launch_many``)."""
+    parts = stderr.split(f"{JOB_MARK}{index}\n", 1)
+    return parts[-1].split(JOB_MARK, 1)[0]
+
+
+def _reads(test: str, params: dict) -> list[JobKey]:
+    """The jobs the test function ``test`` reads with these parameters (what ``_plan`` batches). A test left
+    out here still gets its jobs, each run on its own when the test asks for it."""
+    version = params.get("version")
+    if test == "test_036_recorded":
+        return [(version, False, None), (version, True, None)]
+    if test == "test_cp_training_step":
+        return [(version, params["package"], None)]
+    if test == "test_unified_training_step":
+        return [(version, params["package"], UNIFIED)]
+    if test == "test_qwen_padded_prompts_warn_is_far_off":
+        return [(version, True, "warn")]
+    if test == "test_qwen_padded_prompts_without_package":
+        return [(version, False, None)]
+    if test in (
+        "test_status_ok_in_every_rank",
+        "test_our_warnings_do_not_repeat_per_step",
+        "test_qwen_padded_prompts_default",
+        "test_qwen_padded_prompts_upstream_limits",
+    ):
+        return [(version, True, None)]
+    return []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _plan(request: pytest.FixtureRequest) -> None:
+    """Which jobs of each release the selected tests of this module read (``_planned``)."""
+    if _planned:
+        return
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module:
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        for key in _reads(getattr(item, "originalname", item.name), params):
+            if key not in _planned.setdefault(key[0], []):
+                _planned[key[0]].append(key)
 
 
 def cases(version: str, package: bool, mask: str | None) -> tuple[str, ...]:
@@ -310,7 +381,8 @@ def test_our_warnings_do_not_repeat_per_step(version: str) -> None:
             assert counts[1] == counts[0], (rank["rank"], mode, counts, entry.get("our_warning_messages"))
 
 
-def test_036_recorded(record_property) -> None:
+@pytest.mark.parametrize("version", ["0.36.0"])  # the release in the id: run with its other tests (conftest.py)
+def test_036_recorded(version: str, record_property) -> None:
     """0.36.0 is recorded, asserted only where it is settled: without the package its Ulysses step raises
     (on the stand-ins at the missing log-sum-exp; past that, its backward returns 11 gradients for 12 inputs).
     What the package does there is for the guards to decide (with its ``ulysses_grad_count`` fix the Ulysses
@@ -320,16 +392,16 @@ def test_036_recorded(record_property) -> None:
     """
     outcomes = {}
     for package in (False, True):
-        result = job("0.36.0", package)
-        for mode in cases("0.36.0", package, None):
+        result = job(version, package)
+        for mode in cases(version, package, None):
             if mode == "ring":
                 continue
             rank0 = modes(result, mode)[0]
-            outcomes[_id("0.36.0", mode, package)] = describe(rank0)
+            outcomes[_id(version, mode, package)] = describe(rank0)
     for key, text in outcomes.items():
         record_property(key, text)
     print(outcomes)
-    assert all(e["status"] == "raised" for e in modes(job("0.36.0", False), "ulysses"))
+    assert all(e["status"] == "raised" for e in modes(job(version, False), "ulysses"))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -404,15 +476,15 @@ def test_qwen_padded_prompts_without_package(version: str, record_property) -> N
 
 @pytest.mark.parametrize("version", QWEN_MASK_LAYOUT_BROKEN)
 def test_qwen_padded_prompts_upstream_limits(version: str, record_property) -> None:
-    """Where diffusers itself lays the padded-prompt mask out wrong under Ulysses (0.38.0, see
-    ``QWEN_MASK_LAYOUT_BROKEN``): the mask reaches the op converted and the step is still far off, or the
-    package refuses it with its own error. Either way not silently within tolerance."""
+    """Where diffusers itself lays the padded-prompt mask out in another token order than the K/V under
+    Ulysses (0.38.0, see ``QWEN_MASK_LAYOUT_BROKEN``; wrong on every backend, 194 % off with the mask
+    converted): the package refuses it on every rank (``qwen_joint_mask_order``), naming the cause and the
+    ways out, instead of training wrong. Before that guard this run was far off, silently."""
     result = job(version, True)
     entries = modes(result, QWEN)
-    rank0 = entries[0]
-    record_property("outcome", describe(rank0))
-    if all(e["status"] == "raised" for e in entries) and "diffusers_cudnn_fix" in rank0["error"]:
-        return  # a refusal by the package is an acceptable answer here
-    assert rank0["status"] == "ok", describe(rank0)
-    assert biases(rank0) == {"bfloat16"}, rank0.get("attn_bias")  # converted, but laid out wrong upstream
-    assert worst(rank0) > TOLERANCE, describe(rank0)
+    record_property("outcome", describe(entries[0]))
+    for entry in entries:
+        assert entry["status"] == "raised", describe(entry)
+        error = entry["error"]
+        assert error.startswith("UnsafeAttentionError: diffusers_cudnn_fix: QwenImage's joint attention mask"), error
+        assert "0.39.0" in error and "encoder_hidden_states_mask=None" in error, error

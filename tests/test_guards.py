@@ -615,3 +615,67 @@ def test_one_key_rows_that_see_their_key_and_fp16_masks_are_left_alone(patched) 
     wider = torch.zeros(2, 1, 5, 4).masked_fill_(torch.ones(2, 1, 5, 4, dtype=torch.bool), float("-inf"))
     assert torch.equal(without_masked_rows(grad_out, wider), grad_out)  # S_kv > 1: the kernel is right
     assert without_masked_rows(grad_out, None) is grad_out
+
+
+# --- QwenImage's joint mask under Ulysses on 0.36 - 0.38 (qwen_joint_mask_order) ---------------------------
+
+QWEN_ORDER_SCRIPT = """
+import json, types, torch, diffusers_cudnn_fix
+import diffusers.models.attention_dispatch as module
+from diffusers_cudnn_fix import UnsafeAttentionError
+from diffusers_cudnn_fix.fixes import qwen_joint_mask_order as guard
+
+def outcome(forward, mask, *, caller, plan_shards_mask=False, degree=2):
+    class Reached(Exception):
+        pass
+
+    def forward_op(*args, **kwargs):
+        raise Reached
+
+    def stop(*args, **kwargs):  # diffusers' own code asked for its process group: it went on
+        raise Reached
+
+    config = types.SimpleNamespace(_ulysses_mesh=types.SimpleNamespace(get_group=stop), ulysses_degree=degree)
+    plan = {"transformer_blocks.*": {"encoder_hidden_states_mask": None}} if plan_shards_mask else {}
+    model = type("QwenImageTransformer2DModel", (), {"_cp_plan": plan})
+    scope = {"__name__": caller, "QwenImageTransformer2DModel": model}
+    exec("def call(forward, args):\\n    return forward(*args)\\n", scope)
+    q = k = v = torch.zeros(1, 4, 2, 8)
+    args = (types.SimpleNamespace(), q, k, v, mask, 0.0, False, None, False, False, forward_op, None,
+            types.SimpleNamespace(context_parallel_config=config))
+    try:
+        scope["call"](forward, args)
+    except UnsafeAttentionError as exc:
+        return "refused: " + str(exc)
+    except Reached:
+        return "passed"
+    return "returned"
+
+padded = torch.ones(1, 1, 1, 8, dtype=torch.bool)
+padded[..., 2] = False
+installed = module.TemplatedUlyssesAttention.forward
+shipped = diffusers_cudnn_fix.get_original(guard.TARGET).__func__
+qwen, other = guard.QWEN_MODULE, "diffusers.models.transformers.transformer_ltx"
+print(json.dumps({
+    "padded": outcome(installed, padded, caller=qwen),
+    "padded_additive": outcome(installed, torch.zeros(1, 1, 1, 8).masked_fill_(~padded, float("-inf")), caller=qwen),
+    "unpadded": outcome(installed, torch.ones(1, 1, 1, 8, dtype=torch.bool), caller=qwen),
+    "other_model": outcome(installed, padded, caller=other),
+    "plan_shards_mask": outcome(installed, padded, caller=qwen, plan_shards_mask=True),
+    "degree_1": outcome(installed, padded, caller=qwen, degree=1),
+    "shipped": outcome(shipped, padded, caller=qwen),
+}))
+"""
+
+
+def test_qwen_joint_mask_in_the_wrong_order_is_refused_on_038() -> None:
+    """diffusers 0.38.0: a padded QwenImage joint mask at Ulysses degree 2 is refused, naming the cause and the
+    ways out; a mask that masks nothing, another model's mask, a plan that shards the mask, and degree 1 pass.
+    The control: diffusers' own forward hands the padded mask on (the multi-process QwenImage run shows the
+    gradients that follow are wrong, tests/test_cp_training.py)."""
+    result = run(release_dir("0.38.0"), QWEN_ORDER_SCRIPT)
+    for case in ("padded", "padded_additive"):
+        assert result[case].startswith("refused: "), result
+        assert "0.39.0" in result[case] and "encoder_hidden_states_mask=None" in result[case], result[case]
+    for case in ("unpadded", "other_model", "plan_shards_mask", "degree_1", "shipped"):
+        assert result[case] == "passed", (case, result[case])

@@ -79,6 +79,8 @@ def test_gradients_match_reference_with_the_package(version: str, order: str) ->
         expected |= {"flash_input_alignment"}
     if version == "0.36.0":
         expected |= {"ulysses_grad_count"}
+    if version in ("0.36.0", "0.37.0", "0.37.1", "0.38.0"):  # Ulysses hands the op a mask as it came
+        expected |= {"qwen_joint_mask_order"}
     if version in ("0.40.0", "0.41.0", "0.42.0", "0.42.1"):  # diffusers' own ring backward, routed wrong
         expected |= {"ring_grad_route"}
     assert applied == expected

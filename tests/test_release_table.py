@@ -21,6 +21,7 @@ CARRIES = {
     "ulysses_mask_grad": set(RELEASES) - {"0.35.2"},
     "flash_input_alignment": set(RELEASES) - {"0.35.2", "0.36.0"},
     "ring_grad_route": {"0.40.0", "0.41.0", "0.42.0", "0.42.1"},
+    "qwen_joint_mask_order": {"0.36.0", "0.37.0", "0.37.1", "0.38.0"},
 }
 
 

@@ -35,6 +35,7 @@ LAYERS = {
     "fixes.cudnn_input_dtypes": 4,
     "fixes.cudnn_masked_row_grads": 3,
     "fixes.ulysses_mask_grad": 4,
+    "fixes.qwen_joint_mask_order": 3,
     "fixes.flash_input_alignment": 3,
     "fixes": 5,
     "_report": 5,

@@ -14,6 +14,7 @@ from . import (
     cudnn_masked_row_grads,
     flash_backward_kv,
     flash_input_alignment,
+    qwen_joint_mask_order,
     ring_backward,
     ring_grad_route,
     ulysses_grad_count,
@@ -34,6 +35,7 @@ ALL_FIXES: tuple[Fix, ...] = (
     cudnn_masked_row_grads.FIX,
     flash_input_alignment.FIX,
     ulysses_mask_grad.FIX,
+    qwen_joint_mask_order.FIX,
     # Ring attention's correction: drives the corrected cuDNN / flash backward ops one ring step at a time
     # (refuses for any other backward op).
     ring_backward.FIX,

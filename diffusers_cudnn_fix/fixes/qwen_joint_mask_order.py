@@ -1,0 +1,242 @@
+"""QwenImage's joint attention mask meets Ulysses' K/V in another token order: padded prompts train wrong.
+
+Bug: QwenImage builds its joint attention mask once per forward, full length, in the global token order
+[all text, all image]. Its context-parallel plan shards the text and the image streams separately, so each
+rank's joint sequence is [its text, its image]; Ulysses attention gathers K/V in rank order
+[text_0, image_0, text_1, image_1, ...] and hands the op the mask as it came. With padded prompts the mask
+then masks image tokens and lets padding through: wrong outputs and gradients, silently, on every attention
+backend (a two-process training step of a tiny QwenImage with padded prompts: 194 % off one process on
+0.38.0, docs/cp-training-tests.md). diffusers 0.39.0 fixed it upstream: the plan shards the mask with the sequence
+and Ulysses all-gathers a sequence-local mask, so both follow the same order.
+
+Releases: those whose Ulysses attention hands the op the mask as it came, 0.36.0 to 0.38.0 (on 0.37.x a
+padded prompt already fails inside diffusers, in one process too).
+
+Detection: call the installed ``TemplatedUlyssesAttention.forward`` (Ulysses degree 2, stand-in
+collectives) from a stand-in of QwenImage's module whose plan does not shard the mask, with a padded joint
+mask: broken when the mask reaches the attention op as it came; ok when it is gathered first (0.39+) or
+refused.
+
+Replacement: the installed forward behind a check that raises :class:`UnsafeAttentionError`, naming the
+cause and the ways out, when a mask that masks something reaches it at Ulysses degree > 1 from QwenImage's
+attention (the calling frame's module) and that module's ``QwenImageTransformer2DModel._cp_plan`` does not
+shard ``encoder_hidden_states_mask``. Every other call passes through untouched: a model that shards one
+sequence gets its mask in the right order from this Ulysses, and a QwenImage mask without padding masks
+nothing. Whether the mask masks anything is read once per mask object and version (one device sync, not one
+per layer).
+
+Revert: the class's original ``forward`` staticmethod is put back (the registry keeps it).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import types
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .. import _detect
+from .._fix import Finding, Fix, Lookup
+from .._warnings import UnsafeAttentionError
+
+TARGET = "TemplatedUlyssesAttention.forward"
+QWEN_MODULE = "diffusers.models.transformers.transformer_qwenimage"
+QWEN_MODEL = "QwenImageTransformer2DModel"
+MASK_INPUT = "encoder_hidden_states_mask"
+#: Position of ``_parallel_config`` among the forward's arguments after the mask.
+_CONFIG_AFTER_MASK = 7
+#: Frames between the forward and the attention processor that called it are diffusers' dispatch, torch's
+#: autograd and this package; a deeper caller is not the processor.
+_MAX_FRAMES = 16
+_PASS_THROUGH = ("diffusers.models.attention_dispatch", "torch", "diffusers_cudnn_fix", "functools")
+
+MESSAGE = (
+    "diffusers_cudnn_fix: QwenImage's joint attention mask reached diffusers' Ulysses attention (Ulysses degree "
+    "{degree}) in the global token order [text, image], while this diffusers' QwenImage context-parallel plan "
+    "shards text and image separately, so the K/V arrive in rank order [text_0, image_0, text_1, ...]: with "
+    "padded prompts the mask would hide image tokens and let padding through, and the gradients would be "
+    "silently wrong (on every attention backend). diffusers 0.39.0 fixed this upstream: upgrade diffusers, or "
+    "train with prompts of one length (no padding, encoder_hidden_states_mask=None), or without context "
+    "parallelism."
+)
+
+# The last mask read: (the mask, weakly; its version counter; whether it masks anything).
+_last: tuple[weakref.ref[torch.Tensor], int, bool] | None = None
+
+
+def _masks_something(mask: torch.Tensor) -> bool:
+    global _last
+    last = _last
+    if last is not None and last[0]() is mask and last[1] == mask._version:
+        return last[2]
+    if mask.dtype == torch.bool:
+        masks = not bool(mask.all())
+    else:
+        masks = bool(mask.ne(0).any())
+    if not mask.is_inference():  # an inference tensor has no version counter
+        _last = (weakref.ref(mask), mask._version, masks)
+    return masks
+
+
+def _plan_shards_the_mask(plan: Any) -> bool:
+    """Whether a ``_cp_plan`` names ``encoder_hidden_states_mask`` among the inputs it splits."""
+    if not isinstance(plan, Mapping):
+        return False
+    return any(isinstance(entry, Mapping) and MASK_INPUT in entry for entry in plan.values())
+
+
+def _qwen_caller(frame: types.FrameType | None) -> dict[str, Any] | None:
+    """The globals of QwenImage's module if it made this call (through dispatch, autograd and this package)."""
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return None
+        name = frame.f_globals.get("__name__", "")
+        if name == QWEN_MODULE:
+            return frame.f_globals
+        if not name.startswith(_PASS_THROUGH):
+            return None
+        frame = frame.f_back
+    return None
+
+
+def refusing_unordered_qwen_masks(shipped: Callable[..., Any]) -> Callable[..., Any]:
+    """``shipped`` (``TemplatedUlyssesAttention.forward``) refusing QwenImage's unsharded joint mask."""
+
+    @functools.wraps(shipped)  # keeps the signature, which the other Ulysses fixes read
+    def forward(
+        ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if isinstance(attn_mask, torch.Tensor) and not torch.compiler.is_compiling():
+            positional = args[_CONFIG_AFTER_MASK] if len(args) > _CONFIG_AFTER_MASK else None
+            config = kwargs.get("_parallel_config", positional)
+            degree = getattr(getattr(config, "context_parallel_config", None), "ulysses_degree", 1)
+            if isinstance(degree, int) and degree > 1:
+                caller = _qwen_caller(sys._getframe(1))
+                model = caller.get(QWEN_MODEL) if caller is not None else None
+                if (
+                    model is not None
+                    and not _plan_shards_the_mask(getattr(model, "_cp_plan", None))
+                    and _masks_something(attn_mask)
+                ):
+                    raise UnsafeAttentionError(MESSAGE.format(degree=degree))
+        return shipped(ctx, query, key, value, attn_mask, *args, **kwargs)
+
+    forward.__doc__ = "diffusers' Ulysses forward, refusing QwenImage's joint mask where it is in the wrong order."
+    return forward
+
+
+class _ReachedOp(Exception):
+    def __init__(self, mask: Any) -> None:
+        super().__init__("the attention op was reached")
+        self.mask = mask
+
+
+class _ReachedCollectives(Exception):
+    """The forward asked for its process group: it went on to diffusers' code without refusing."""
+
+
+def _raise_reached_collectives() -> Any:
+    raise _ReachedCollectives
+
+
+#: Runs the forward from a frame whose module looks like QwenImage's (the refusal reads the caller's module).
+_CALLER_SOURCE = "def call(forward, args):\n    return forward(*args)\n"
+
+
+_BATCH, _SEQ, _HEADS, _DIM, _WORLD = 1, 4, 2, 8, 2
+
+
+def _padded_local_mask() -> torch.Tensor:
+    """A padded, sequence-local mask, as a plan that shards the mask hands it over. A Ulysses that gathers such
+    a mask puts it in the K/V's order (0.39+); one that hands it on as it came relies on the model's order
+    being the global one."""
+    mask = torch.ones(_BATCH, 1, 1, _SEQ, dtype=torch.bool)
+    mask[..., 1] = False  # a padded text token
+    return mask
+
+
+def _qwen_call(forward: Any, mesh: Any, mask: torch.Tensor) -> None:
+    """Calls ``forward`` at Ulysses degree 2 with ``mask`` from a QwenImage stand-in whose plan does not shard
+    the mask; raises what the forward raises. The attention op raises :class:`_ReachedOp` with the mask it
+    got."""
+
+    def forward_op(ctx: Any, query: Any, key: Any, value: Any, attn_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        raise _ReachedOp(attn_mask)
+
+    config = types.SimpleNamespace(_ulysses_mesh=mesh, ulysses_degree=_WORLD, _world_size=_WORLD)
+    q, k, v = (torch.zeros(_BATCH, _SEQ, _HEADS, _DIM) for _ in range(3))
+    model = type(QWEN_MODEL, (), {"_cp_plan": {"transformer_blocks.0": {"hidden_states": None}}})
+    caller: dict[str, Any] = {"__name__": QWEN_MODULE, QWEN_MODEL: model}
+    exec(compile(_CALLER_SOURCE, "<diffusers_cudnn_fix check: QwenImage stand-in>", "exec"), caller)
+    parallel_config = types.SimpleNamespace(context_parallel_config=config)
+    args = (types.SimpleNamespace(), q, k, v, mask, 0.0, False, None, False, False, forward_op, None, parallel_config)
+    with torch.no_grad():  # as inside autograd.Function.forward
+        caller["call"](forward, args)
+
+
+def _shipped_gathers(shipped: Any) -> bool | str:
+    """Whether diffusers' own forward (the innermost, run with stand-in collectives) gathers a sequence-local
+    mask before the op; a text if it cannot be run."""
+
+    def all_gather(out: list[torch.Tensor], tensor: torch.Tensor, group: Any = None) -> None:
+        for part in out:
+            part.copy_(tensor)
+
+    if not isinstance(shipped, types.FunctionType):
+        return f"the innermost forward is a {type(shipped).__name__}, not a function"
+    stand_ins = {"_all_to_all_single": lambda x, group=None: x, "dist": types.SimpleNamespace(all_gather=all_gather)}
+    mask = _padded_local_mask()
+    try:
+        _qwen_call(_detect.with_globals(shipped, **stand_ins), _detect.FAKE_MESH, mask)
+    except _ReachedOp as reached:
+        return reached.mask is not mask
+    except Exception as exc:  # noqa: BLE001 - an unknown build: say so
+        return f"{type(exc).__name__}: {exc}"
+    return "the forward returned without calling the attention op"
+
+
+def check(lookup: Lookup) -> Finding:
+    forward = lookup(TARGET)
+    if forward is None:
+        return Finding("absent", "this diffusers has no TemplatedUlyssesAttention")
+    gathers = _shipped_gathers(inspect.unwrap(forward))
+    if isinstance(gathers, str):
+        return Finding("unknown", f"the Ulysses forward could not be run in one process ({gathers})")
+    if gathers:
+        return Finding("ok", "Ulysses gathers a sequence-local mask into the K/V's order before the op")
+    # diffusers' forward hands the op the mask as it came. Is it refused before that, from QwenImage? The
+    # stand-in mesh stops the call where diffusers' code asks for its process group.
+    try:
+        _qwen_call(forward, types.SimpleNamespace(get_group=_raise_reached_collectives), _padded_local_mask())
+    except UnsafeAttentionError:
+        return Finding("ok", "QwenImage's joint mask, which Ulysses would hand on in another token order, is refused")
+    except (_ReachedCollectives, _ReachedOp):
+        pass
+    except Exception as exc:  # noqa: BLE001 - an unknown build: say so
+        return Finding("unknown", f"the Ulysses forward could not be run in one process ({type(exc).__name__}: {exc})")
+    return Finding(
+        "broken",
+        "Ulysses hands the attention op the mask as it came, in global token order, while QwenImage's joint K/V "
+        "arrive in rank order",
+    )
+
+
+def build(lookup: Lookup) -> Mapping[str, Any]:
+    return {TARGET: staticmethod(refusing_unordered_qwen_masks(lookup(TARGET)))}
+
+
+FIX = Fix(
+    id="qwen_joint_mask_order",
+    title="QwenImage's joint mask meets Ulysses' K/V in another token order: padded prompts train wrong",
+    upstream="fixed in diffusers 0.39.0 (the plan shards the mask; Ulysses all-gathers it)",
+    affected=">=0.36.0,<0.39.0",
+    targets=(TARGET,),
+    check=check,
+    build=build,
+    kind="guard",
+)
