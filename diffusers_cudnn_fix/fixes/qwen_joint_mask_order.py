@@ -6,16 +6,17 @@ rank's joint sequence is [its text, its image]; Ulysses attention gathers K/V in
 [text_0, image_0, text_1, image_1, ...] and hands the op the mask as it came. With padded prompts the mask
 then masks image tokens and lets padding through: wrong outputs and gradients, silently, on every attention
 backend (a two-process training step of a tiny QwenImage with padded prompts: 194 % off one process on
-0.38.0, docs/cp-training-tests.md). diffusers 0.39.0 fixed it upstream: the plan shards the mask with the sequence
-and Ulysses all-gathers a sequence-local mask, so both follow the same order.
+0.38.0, docs/cp-training-tests.md). diffusers 0.39.0 fixed it upstream: the plan shards the mask with the
+sequence and Ulysses all-gathers a sequence-local mask, so both follow the same order.
 
 Releases: those whose Ulysses attention hands the op the mask as it came, 0.36.0 to 0.38.0 (on 0.37.x a
 padded prompt already fails inside diffusers, in one process too).
 
-Detection: call the installed ``TemplatedUlyssesAttention.forward`` (Ulysses degree 2, stand-in
-collectives) from a stand-in of QwenImage's module whose plan does not shard the mask, with a padded joint
-mask: broken when the mask reaches the attention op as it came; ok when it is gathered first (0.39+) or
-refused.
+Detection: run diffusers' own ``TemplatedUlyssesAttention.forward`` (the innermost function, Ulysses degree
+2, stand-in collectives) with a padded sequence-local mask: ok where it gathers the mask into the K/V's
+order before the op (0.39+). Where it hands the mask on as it came, call the installed forward from a
+stand-in of QwenImage's module whose plan does not shard the mask: ok where that is refused, broken where it
+goes on into diffusers' code.
 
 Replacement: the installed forward behind a check that raises :class:`UnsafeAttentionError`, naming the
 cause and the ways out, when a mask that masks something reaches it at Ulysses degree > 1 from QwenImage's
