@@ -104,6 +104,8 @@ PROFILES = {
 KINDS = ("SILENT WRONG RESULT", "UNCLEAR ERROR", "VALID INPUT REFUSED")
 FLASH_DTYPE_TEXT = "FlashAttention only support fp16 and bf16 data type"
 SAME_DTYPE_TEXT = "must have the same dtype"
+#: The cuDNN backward's refusal of S_q = S_kv = 1 (the real kernel's, mirrored by the stand-in).
+SINGLE_POSITION_TEXT = "s_q = s_kv = 1 is not supported"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -720,6 +722,9 @@ def classify(exc: BaseException, ex: dict[str, Any], version: tuple[int, ...], m
         return "unclear", "UnsafeAttentionError not naming the cause (" + ", ".join(causes) + ")"
     if isinstance(exc, ValueError) and ex["enable_gqa"] and ("enable_gqa" in text or "GQA" in text):
         return "clear", "ValueError (enable_gqa)"
+    if isinstance(exc, RuntimeError) and ex["backend"] == "cudnn" and ex["seq_q"] == ex["seq_kv"] == 1:
+        if SINGLE_POSITION_TEXT in text:
+            return "clear", "RuntimeError (cuDNN: one query and one key position)"
     if isinstance(exc, RuntimeError) and ex["backend"] == "flash":
         if FLASH_DTYPE_TEXT in text and any(d not in HALF for d in ex["dtypes"]):
             return "clear", "RuntimeError (flash dtype)"

@@ -67,6 +67,8 @@ CUDNN_GQA_MESSAGE = (
 FLASH_GQA_MESSAGE = "Number of heads in key/value must divide number of heads in query"
 FLASH_DTYPE_MESSAGE = "FlashAttention only support fp16 and bf16 data type"
 STATS_DIM_MESSAGE = "cuDNN Frontend error: Stats dim is invalid"
+# The cuDNN backward refuses one query and one key position (measured on an H200, cuDNN 9.19; the forward runs).
+SINGLE_POSITION_MESSAGE = "cuDNN Frontend error: s_q = s_kv = 1 is not supported."
 MISSING_LSE_MESSAGE = "stand-in: logsumexp is missing (the forward was run with compute_log_sumexp=False)"
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -549,6 +551,8 @@ def _cudnn_backward(
     _check_grad_out(grad_out, out, query, value)
     lse3 = lse.squeeze(-1) if LSE_IS_4D else lse
     _check_lse_shape(lse3, query)
+    if query.size(2) == 1 and key.size(2) == 1:
+        raise RuntimeError(SINGLE_POSITION_MESSAGE)
     if max_q != query.size(2) or max_k != key.size(2):
         # The real op builds its graph from max_q/max_k; a mismatch would read out of bounds.
         raise RuntimeError(

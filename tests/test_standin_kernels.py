@@ -536,3 +536,32 @@ def test_reference_helpers():
     assert torch.all(ref[:, :, 3] == 0)
     assert sk.max_abs_error(torch.tensor([float("-inf"), 1.0]), torch.tensor([float("-inf"), 1.5])) == 0.5
     assert sk.max_abs_error(torch.tensor([float("nan")]), torch.tensor([0.0])) == float("inf")
+
+
+def test_one_query_and_one_key_position_run_forward_but_not_backward():
+    """The real cuDNN backward refuses S_q = S_kv = 1 (H200, cuDNN 9.19); the forward runs (out = v)."""
+    q, k, v = _qkv(2, 3, 1, 1, 8, seed=90)
+    fwd = _cudnn(q, k, v)
+    torch.testing.assert_close(fwd[0].float(), v.float(), atol=1e-2, rtol=1e-2)
+    with pytest.raises(RuntimeError, match="s_q = s_kv = 1 is not supported"):
+        _cudnn_bwd(torch.ones_like(q), q, k, v, fwd)
+    q2, k2, v2 = _qkv(2, 3, 2, 1, 8, seed=91)  # one key, two queries: fine
+    _cudnn_bwd(torch.ones_like(q2), q2, k2, v2, _cudnn(q2, k2, v2))
+
+
+def test_a_masked_row_with_one_key_gets_wrong_gradients_in_bf16():
+    """The backward's fault with one key position (H200, cuDNN 9.19): bf16, S_q < 8, a row whose key is
+    masked; with that row's grad_out at 0 the gradients are right (the masked-row guard's remedy)."""
+    b, h, sq, d = 1, 2, 5, 8
+    q, k, v = _qkv(b, h, sq, 1, d, seed=92)
+    bias = torch.zeros(b, 1, sq, 1, dtype=BF16)
+    bias[:, :, 2] = float("-inf")
+    grad_out = _randn(b, h, sq, d, seed=93)
+    keep = torch.isfinite(bias)
+    _, ref_grads = _reference_grads(q, k, v, grad_out, bool_mask=keep)
+    fwd = _cudnn(q, k, v, bias=bias)
+    faulty = _cudnn_bwd(grad_out, q, k, v, fwd, bias=bias)
+    assert max((g.float() - r).abs().max().item() for g, r in zip(faulty, ref_grads)) > 0.1
+    right = _cudnn_bwd(grad_out.masked_fill(~keep, 0.0), q, k, v, fwd, bias=bias)
+    for got, want in zip(right, ref_grads):
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
