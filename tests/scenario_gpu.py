@@ -117,17 +117,21 @@ def ulysses_nccl() -> dict[str, Any]:
 
 
 class _MaskHarness(torch.autograd.Function):
+    """The installed cuDNN CP forward op with ``mask``; its backward through ``backward_op`` (None: the
+    installed one)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, mask):
+    def forward(ctx, q, k, v, mask, backward_op=None):
         q, k, v = (x.clone() for x in (q, k, v))
+        ctx.harness_backward = backward_op or module._cudnn_attention_backward_op
         return module._cudnn_attention_forward_op(
             ctx, q, k, v, mask, 0.0, False, None, False, False, _save_ctx=True, _parallel_config=probe._TRAINING_CP
         )
 
     @staticmethod
     def backward(ctx, grad):
-        dq, dk, dv = module._cudnn_attention_backward_op(ctx, grad)[:3]
-        return dq, dk, dv, None
+        dq, dk, dv = ctx.harness_backward(ctx, grad)[:3]
+        return dq, dk, dv, None, None
 
 
 def masks() -> dict[str, Any]:
@@ -203,22 +207,9 @@ def one_key_masked_rows() -> dict[str, Any]:
     golden = {n: torch.nan_to_num(t) for n, t in golden.items()}
 
     def run(mask: torch.Tensor, backward_op: Any) -> dict[str, Any]:
-        class Harness(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, q, k, v):
-                q, k, v = (x.clone() for x in (q, k, v))
-                return module._cudnn_attention_forward_op(
-                    ctx, q, k, v, mask, 0.0, False, None, False, False,
-                    _save_ctx=True, _parallel_config=probe._TRAINING_CP,
-                )  # fmt: skip
-
-            @staticmethod
-            def backward(ctx, g):
-                return tuple(backward_op(ctx, g)[:3])
-
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
         try:
-            out = Harness.apply(*leaves)
+            out = _MaskHarness.apply(*leaves, mask, backward_op)
             out.backward(grad)
         except Exception as exc:
             return {"raised": f"{type(exc).__name__}: {str(exc)[:160]}"}

@@ -145,8 +145,10 @@ def _raise_reached_collectives() -> Any:
     raise _ReachedCollectives
 
 
-#: Runs the forward from a frame whose module looks like QwenImage's (the refusal reads the caller's module).
-_CALLER_SOURCE = "def call(forward, args):\n    return forward(*args)\n"
+def _call(forward: Any, args: tuple[Any, ...]) -> Any:
+    """Calls ``forward``; the check runs a copy whose module globals look like QwenImage's (the refusal reads
+    the calling frame's module)."""
+    return forward(*args)
 
 
 _BATCH, _SEQ, _HEADS, _DIM, _WORLD = 1, 4, 2, 8, 2
@@ -172,12 +174,11 @@ def _qwen_call(forward: Any, mesh: Any, mask: torch.Tensor) -> None:
     config = types.SimpleNamespace(_ulysses_mesh=mesh, ulysses_degree=_WORLD, _world_size=_WORLD)
     q, k, v = (torch.zeros(_BATCH, _SEQ, _HEADS, _DIM) for _ in range(3))
     model = type(QWEN_MODEL, (), {"_cp_plan": {"transformer_blocks.0": {"hidden_states": None}}})
-    caller: dict[str, Any] = {"__name__": QWEN_MODULE, QWEN_MODEL: model}
-    exec(compile(_CALLER_SOURCE, "<diffusers_cudnn_fix check: QwenImage stand-in>", "exec"), caller)
+    call_from_qwen = _detect.with_globals(_call, __name__=QWEN_MODULE, **{QWEN_MODEL: model})
     parallel_config = types.SimpleNamespace(context_parallel_config=config)
     args = (types.SimpleNamespace(), q, k, v, mask, 0.0, False, None, False, False, forward_op, None, parallel_config)
     with torch.no_grad():  # as inside autograd.Function.forward
-        caller["call"](forward, args)
+        call_from_qwen(forward, args)
 
 
 def _shipped_gathers(shipped: Any) -> bool | str:
