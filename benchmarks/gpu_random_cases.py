@@ -93,6 +93,10 @@ MASKS = {
     "requires_grad": 2,
 }
 PATHS = {"cudnn_pair": 45, "flash_pair": 20, "ulysses_cudnn": 25, "ulysses_flash": 10}
+#: How the call is run: as it is, through torch.compile (inductor; graph breaks allowed, a fresh compilation per
+#: case), or under torch.autocast(bf16). Drawn from each case's own seed, so the other fields of a case id stay
+#: those of earlier runs.
+STACKS = {"eager": 70, "compiled": 15, "autocast": 15}
 NAMES = ("out", "dq", "dk", "dv")
 #: Cases the contract says must raise (they are counted as clear errors, and listed if they do not raise).
 MUST_RAISE_MASKS = ("int", "requires_grad")
@@ -139,6 +143,7 @@ def make_cases(count: int, seed: int, have_flash: bool, max_seq: int) -> list[di
                 "seed": rng.randrange(2**31),
             }
         )
+        cases[-1]["stack"] = _pick(random.Random(cases[-1]["seed"] ^ 0x5EED), STACKS)
     return cases
 
 
@@ -421,7 +426,8 @@ def run_case(case, torch, module, device, ops, Pair, pair_cp, ulysses_cp, factor
     result: dict[str, Any] = {"id": case["id"]}
     try:
         dq_t, dk_t, dv_t = _dtypes(case, torch)
-        low_dtype = torch.float16 if case["dtype"] == "fp16" else torch.bfloat16
+        # Under autocast(bf16) an fp16 case computes in bf16, which is autocast's contract: bf16's error is the limit.
+        low_dtype = torch.float16 if case["dtype"] == "fp16" and case.get("stack") != "autocast" else torch.bfloat16
         leaves32, view = _leaves_and_view(case, torch, device)
         grad = _grad(case, torch, device, dq_t)
         mask = _mask(case, torch, device, dq_t)
@@ -445,12 +451,21 @@ def run_case(case, torch, module, device, ops, Pair, pair_cp, ulysses_cp, factor
         q, k, v = view(leaves)
         if case["dtype"] == "mixed" and len(leaves32) != 3:
             k, v = k.to(dk_t), v.to(dv_t)
-        if case["path"].endswith("_pair"):
-            out = Pair.apply(q, k, v, mask, case["causal"], case["scale"], fwd, bwd, pair_cp)
-        else:
-            out = module.TemplatedUlyssesAttention.apply(
+
+        def call(q: Any, k: Any, v: Any, mask: Any) -> Any:
+            if case["path"].endswith("_pair"):
+                return Pair.apply(q, k, v, mask, case["causal"], case["scale"], fwd, bwd, pair_cp)
+            return module.TemplatedUlyssesAttention.apply(
                 q, k, v, mask, 0.0, case["causal"], case["scale"], False, False, fwd, bwd, ulysses_cp
             )
+
+        stack = case.get("stack", "eager")
+        if stack == "compiled":
+            torch._dynamo.reset()
+            call = torch.compile(call, backend="inductor", dynamic=False)
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=stack == "autocast")
+        with autocast:
+            out = call(q, k, v, mask)
         out.backward(grad)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -691,6 +706,11 @@ def parent(args: argparse.Namespace) -> int:
     by_path = {
         p: dict(Counter(r["cls"] for r in rows if r["path"] == p)) for p in PATHS if any(r["path"] == p for r in rows)
     }
+    by_stack = {
+        st: dict(Counter(r["cls"] for r in rows if r["stack"] == st))
+        for st in STACKS
+        if any(r["stack"] == st for r in rows)
+    }
     kinds = dict(Counter(f"{r['cls']}: {r.get('kind')}" for r in rows))
     must_raise = [r for r in rows if (r["mask"] in MUST_RAISE_MASKS or r["dtype"] in MUST_RAISE_DTYPES)]
     not_raised = [r for r in must_raise if r["cls"] != "clear_error"]
@@ -704,6 +724,7 @@ def parent(args: argparse.Namespace) -> int:
         "cases": len(cases),
         "wall_s": round(wall, 1),
         "counts": dict(counts),
+        "by_stack": by_stack,
         "by_path": by_path,
         "kinds": kinds,
         "probes": {
@@ -717,7 +738,7 @@ def parent(args: argparse.Namespace) -> int:
     print(f"diffusers {args.release}, {len(cases)} random cases (seed {args.seed}) on {args.device}, {wall:.0f} s")
     print(f"probe before the cases: {summary['probes']}")
     print("counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-    for p, c in by_path.items():
+    for p, c in {**by_path, **by_stack}.items():
         print(f"  {p:<14} " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
     print(
         f"must raise (int / requires_grad masks, fp32 / mixed dtypes): {len(must_raise)}, "
@@ -783,7 +804,8 @@ def _short(errors: Any) -> str:
 def _describe(r: dict[str, Any]) -> str:
     return (
         f"{r['path']} B={r['B']} Sq={r['Sq']} Skv={r['Skv']} H={r['H']} D={r['D']} {r['dtype']} "
-        f"layout={r['layout']} grad={r['grad_layout']} mask={r['mask']} causal={r['causal']} scale={r['scale']}"
+        f"layout={r['layout']} grad={r['grad_layout']} mask={r['mask']} causal={r['causal']} scale={r['scale']} "
+        f"stack={r['stack']}"
     )
 
 

@@ -53,7 +53,7 @@ trust)
     RES=/tmp/dcf-results
     mkdir -p "$RES"
     step tests "${DCF_TESTS_LIMIT:-220}" env DIFFUSERS_CUDNN_FIX_RESULTS=$RES \
-        python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -rfE 2>&1 | tee "$OUT/gpu-tests.log"
+        python3 -m pytest tests/test_gpu.py tests/test_gpu_compile.py -q -p no:cacheprovider -rfE 2>&1 | tee "$OUT/gpu-tests.log"
     python3 - "$RES" "$OUT/gpu-tests.json" <<'PY'
 import json, sys
 from pathlib import Path

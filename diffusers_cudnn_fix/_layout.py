@@ -33,8 +33,10 @@ def aligned(x: torch.Tensor) -> bool:
 def realigned(x: torch.Tensor) -> torch.Tensor:
     """``x``, or a dense copy of it where its data pointer is not on 16 bytes (a view at an odd offset, say:
     even a contiguous one, which ``.contiguous()`` would hand on as it is). On every device, so that the
-    behavioural checks see on the CPU what the GPU kernels get."""
-    if torch.compiler.is_compiling() or x.data_ptr() % ALIGNMENT == 0:
+    behavioural checks see on the CPU what the GPU kernels get. While compiling the pointer cannot be read, so
+    it is always a copy there (inductor allocates it aligned, and fuses it with the copy before it where there
+    is one)."""
+    if not torch.compiler.is_compiling() and x.data_ptr() % ALIGNMENT == 0:
         return x
     return x.clone(memory_format=torch.contiguous_format)
 
@@ -64,10 +66,11 @@ def with_strides_of(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
     The cuDNN backward must get ``grad_out`` with ``out``'s strides: its graph cache key ignores them, so a
     call whose strides differ from an earlier one at the same shapes returns wrong gradients. One copy when
-    the strides differ (or the data is not on 16 bytes), none when they already match.
+    the strides differ (or the data is not on 16 bytes, which cannot be read while compiling), none when they
+    already match.
     """
     if grad.stride() == like.stride() and (
-        grad.device.type != "cuda" or torch.compiler.is_compiling() or grad.data_ptr() % ALIGNMENT == 0
+        grad.device.type != "cuda" or (not torch.compiler.is_compiling() and grad.data_ptr() % ALIGNMENT == 0)
     ):
         return grad
     return torch.empty_strided(like.shape, like.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)

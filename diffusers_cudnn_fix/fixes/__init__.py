@@ -28,13 +28,14 @@ ALL_FIXES: tuple[Fix, ...] = (
     flash_backward_kv.FIX,
     ulysses_grad_count.FIX,
     # Guards: wrappers around the (corrected) forward (the input-dtype guard outermost), and refusals where
-    # no correction is offered.
+    # no correction is offered. The Ulysses mask-grad refusal comes before the mask guard, which wraps the Ulysses
+    # forward too: its check runs diffusers' own forward with stand-in collectives, so it must be innermost.
+    ulysses_mask_grad.FIX,
     cudnn_bool_mask.FIX,
     cudnn_input_dtypes.FIX,
     # Around the (corrected) cuDNN backward: no gradient for fully masked rows where S_kv is 1.
     cudnn_masked_row_grads.FIX,
     flash_input_alignment.FIX,
-    ulysses_mask_grad.FIX,
     qwen_joint_mask_order.FIX,
     # Ring attention's correction: drives the corrected cuDNN / flash backward ops one ring step at a time
     # (refuses for any other backward op).

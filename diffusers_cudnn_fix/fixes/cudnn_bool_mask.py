@@ -13,7 +13,12 @@ huggingface/diffusers#14342, open as of 0.42.1).
 Detection: run the installed forward (and backward) with a bool mask, an fp32 mask against bf16 q and an
 integer mask, and read the bias reaching the kernels. A release that converts masks itself needs nothing.
 
-Replacement: a thin wrapper around the installed forward op. What it does with each mask, by mode
+Replacement: a thin wrapper around the installed forward op, and one around ``TemplatedUlyssesAttention.forward``
+that applies the same policy where the mask enters Ulysses attention, before diffusers all-gathers it (0.39+):
+under ``torch.compile`` inductor gathers a bool tensor into a wrongly typed buffer, so a bool mask must not
+reach the collectives (docs/kernel-facts.md). The Ulysses wrapper acts only when the forward op it is handed
+is the guarded cuDNN op (which carries the policy as ``mask_policy``; ``functools.wraps`` copies it onto
+the wrappers around it). What it does with each mask, by mode
 (``DIFFUSERS_CUDNN_FIX_MASK`` or ``diffusers_cudnn_fix.set_mask_mode()``), is in docs/behaviour.md: in short,
 ``convert`` (default) turns a bool mask into an additive mask in q's dtype (``-inf`` where False, so a fully
 masked row gives 0) and casts other float masks, ``warn`` passes them through as upstream does, ``error``
@@ -24,8 +29,11 @@ Revert: the object that was there before is put back (the registry keeps it).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -39,6 +47,9 @@ from .._warnings import MaskConvertedWarning, MaskMisreadWarning, UnsafeAttentio
 from ._forward_guard import guard_forward
 
 TARGET = "_cudnn_attention_forward_op"
+ULYSSES = "TemplatedUlyssesAttention.forward"
+#: Position of ``forward_op`` among the Ulysses forward's arguments after the mask.
+_FORWARD_OP_AFTER_MASK = 5
 ISSUE = "huggingface/diffusers#14342"
 
 MODE_EFFECTS = {
@@ -182,13 +193,87 @@ def check(lookup: Lookup) -> Finding:
         trace = _detect.run_pair(forward, None, return_lse=True, mask=_detect.check_mask("int64"))
         if trace.first(_detect.CUDNN_FORWARD) is not None:
             return Finding("broken", "an integer mask reaches the cuDNN kernel's bias")
+        ulysses = lookup(ULYSSES)
+        if ulysses is not None:
+            entering = _mask_entering_ulysses(ulysses, forward)
+            if isinstance(entering, str):
+                return Finding("unknown", f"the Ulysses forward could not be run in one process ({entering})")
+            if entering.dtype != torch.bfloat16:
+                return Finding(
+                    "broken",
+                    f"a bool mask enters diffusers' Ulysses attention as {entering.dtype}, which torch.compile "
+                    "all-gathers into a wrongly typed buffer",
+                )
     finally:
         _forced.mode = None
-    return Finding("ok", "in convert mode, bool and float masks reach the kernels as additive masks in q's dtype")
+    return Finding(
+        "ok", "in convert mode, bool and float masks reach Ulysses and the kernels as additive masks in q's dtype"
+    )
+
+
+class _StopAtCollectives(Exception):
+    """Raised where diffusers' Ulysses code first asks for its process group, before it touches the mask."""
+
+
+def _stop_at_collectives() -> None:
+    raise _StopAtCollectives
+
+
+def _mask_entering_ulysses(ulysses: Any, forward_op: Any) -> torch.Tensor | str:
+    """The mask diffusers' own Ulysses forward receives when the installed one is called with a bool mask and
+    ``forward_op`` (read off diffusers' frame where it asks for its process group); a text if not reached."""
+    shipped = inspect.unwrap(ulysses)
+    mesh = types.SimpleNamespace(get_group=_stop_at_collectives)
+    config = types.SimpleNamespace(
+        context_parallel_config=types.SimpleNamespace(
+            _ulysses_mesh=mesh, ulysses_degree=2, ring_degree=1, _world_size=2, ulysses_anything=False
+        )
+    )
+    q, k, v = (torch.zeros(_detect.BATCH, _detect.SEQ_Q, _detect.HEADS, _detect.HEAD_DIM, dtype=torch.bfloat16)
+               for _ in range(3))  # fmt: skip
+    mask = torch.ones(_detect.BATCH, 1, _detect.SEQ_Q, _detect.SEQ_Q, dtype=torch.bool)
+    try:
+        with torch.no_grad():  # as inside autograd.Function.forward
+            ulysses(_detect.ProbeCtx(), q, k, v, mask, 0.0, False, None, False, False, forward_op, None, config)
+    except _StopAtCollectives as stop:
+        tb = stop.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code is getattr(shipped, "__code__", None):
+                entering = tb.tb_frame.f_locals.get("attn_mask")
+                return entering if isinstance(entering, torch.Tensor) else f"it received {entering!r}"
+            tb = tb.tb_next
+        return "diffusers' own forward was not reached"
+    except Exception as exc:  # noqa: BLE001 - an unknown build: say so
+        return f"{type(exc).__name__}: {exc}"
+    return "the forward returned without asking for its process group"
+
+
+def converting_ulysses_masks(shipped: Any) -> Any:
+    """``shipped`` (``TemplatedUlyssesAttention.forward``) applying the cuDNN op's mask policy to the mask first."""
+
+    @functools.wraps(shipped)  # keeps the signature, which the other Ulysses fixes read
+    def forward(
+        ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if isinstance(attn_mask, torch.Tensor):
+            op = args[_FORWARD_OP_AFTER_MASK] if len(args) > _FORWARD_OP_AFTER_MASK else kwargs.get("forward_op")
+            policy = getattr(op, "mask_policy", None)
+            if policy is not None:
+                attn_mask = policy(query, key, value, attn_mask)
+        return shipped(ctx, query, key, value, attn_mask, *args, **kwargs)
+
+    forward.__doc__ = "diffusers' Ulysses forward, with the cuDNN op's mask policy applied before the mask is gathered."
+    return forward
 
 
 def build(lookup: Lookup) -> Mapping[str, Any]:
-    return {TARGET: guard_forward(lookup(TARGET), mask_policy)}
+    guarded = guard_forward(lookup(TARGET), mask_policy)
+    guarded.mask_policy = mask_policy  # type: ignore[attr-defined]  # read by the Ulysses wrapper
+    replacements: dict[str, Any] = {TARGET: guarded}
+    ulysses = lookup(ULYSSES)
+    if ulysses is not None:
+        replacements[ULYSSES] = staticmethod(converting_ulysses_masks(ulysses))
+    return replacements
 
 
 def note() -> str:
@@ -201,7 +286,7 @@ FIX = Fix(
     title="bool or wrongly typed attention masks are read as an additive bias by the cuDNN CP op",
     upstream="https://github.com/huggingface/diffusers/issues/14342",
     affected=">=0.36.0",
-    targets=(TARGET,),
+    targets=(TARGET, ULYSSES),
     check=check,
     build=build,
     kind="guard",

@@ -24,7 +24,9 @@ attention (the calling frame's module) and that module's ``QwenImageTransformer2
 shard ``encoder_hidden_states_mask``. Every other call passes through untouched: a model that shards one
 sequence gets its mask in the right order from this Ulysses, and a QwenImage mask without padding masks
 nothing. Whether the mask masks anything is read once per mask object and version (one device sync, not one
-per layer).
+per layer). Inside a ``torch.compile`` graph neither the caller nor the mask can be read: there any mask at
+Ulysses degree > 1 with QwenImage's unsharding plan loaded makes dynamo run that call eagerly, where the check
+above decides (with ``fullgraph=True`` it is an error naming the cause).
 
 Revert: the class's original ``forward`` staticmethod is put back (the registry keeps it).
 """
@@ -66,6 +68,15 @@ MESSAGE = (
     "parallelism."
 )
 
+COMPILE_MESSAGE = (
+    "diffusers_cudnn_fix: a mask reached diffusers' Ulysses attention (Ulysses degree {degree}) inside a "
+    "torch.compile graph, with QwenImage loaded in a diffusers whose QwenImage plan hands its joint mask to Ulysses "
+    "in the wrong token order (padded prompts would train silently wrong). While compiling, the package cannot "
+    "tell which model calls or whether the mask pads anything, so it asks for this call to run eagerly, where it "
+    "can: compile without fullgraph=True (only this call then runs eagerly), upgrade diffusers to >= 0.39.0, or "
+    "pass encoder_hidden_states_mask=None."
+)
+
 # The last mask read: (the mask, weakly; its version counter; whether it masks anything).
 _last: tuple[weakref.ref[torch.Tensor], int, bool] | None = None
 
@@ -82,6 +93,14 @@ def _masks_something(mask: torch.Tensor) -> bool:
     if not mask.is_inference():  # an inference tensor has no version counter
         _last = (weakref.ref(mask), mask._version, masks)
     return masks
+
+
+@torch.compiler.assume_constant_result
+def _unsharded_qwen_loaded() -> bool:
+    """Whether QwenImage is imported and its context-parallel plan leaves the joint mask unsharded (read while
+    tracing, as a constant)."""
+    model = getattr(sys.modules.get(QWEN_MODULE), QWEN_MODEL, None)
+    return model is not None and not _plan_shards_the_mask(getattr(model, "_cp_plan", None))
 
 
 def _plan_shards_the_mask(plan: Any) -> bool:
@@ -112,19 +131,26 @@ def refusing_unordered_qwen_masks(shipped: Callable[..., Any]) -> Callable[..., 
     def forward(
         ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        if isinstance(attn_mask, torch.Tensor) and not torch.compiler.is_compiling():
+        if isinstance(attn_mask, torch.Tensor):
             positional = args[_CONFIG_AFTER_MASK] if len(args) > _CONFIG_AFTER_MASK else None
             config = kwargs.get("_parallel_config", positional)
             degree = getattr(getattr(config, "context_parallel_config", None), "ulysses_degree", 1)
             if isinstance(degree, int) and degree > 1:
-                caller = _qwen_caller(sys._getframe(1))
-                model = caller.get(QWEN_MODEL) if caller is not None else None
-                if (
-                    model is not None
-                    and not _plan_shards_the_mask(getattr(model, "_cp_plan", None))
-                    and _masks_something(attn_mask)
-                ):
-                    raise UnsafeAttentionError(MESSAGE.format(degree=degree))
+                if torch.compiler.is_compiling():
+                    # Neither the calling frame nor the mask's values can be read while tracing. Raising here
+                    # makes dynamo run this call eagerly, where they can (with fullgraph=True it is an error
+                    # that carries this message instead).
+                    if _unsharded_qwen_loaded():
+                        raise UnsafeAttentionError(COMPILE_MESSAGE.format(degree=degree))
+                else:
+                    caller = _qwen_caller(sys._getframe(1))
+                    model = caller.get(QWEN_MODEL) if caller is not None else None
+                    if (
+                        model is not None
+                        and not _plan_shards_the_mask(getattr(model, "_cp_plan", None))
+                        and _masks_something(attn_mask)
+                    ):
+                        raise UnsafeAttentionError(MESSAGE.format(degree=degree))
         return shipped(ctx, query, key, value, attn_mask, *args, **kwargs)
 
     forward.__doc__ = "diffusers' Ulysses forward, refusing QwenImage's joint mask where it is in the wrong order."
