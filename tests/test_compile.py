@@ -4,9 +4,9 @@ Each release runs ``scenario_compile`` in a fresh interpreter (stand-in kernels,
 forward and backward not compiled, through ``aot_eager`` and through inductor (both ``fullgraph=True``), with no
 mask, bool, additive bf16 (q's dtype) and additive fp32 masks, each as a key-padding [B, 1, 1, S] and a [B, 1, S, S]
 mask, through the op pair and through diffusers' own ``TemplatedUlyssesAttention`` (which all-gathers a
-sequence-local mask from 0.39.0), and through the op pair with one head and q/k/v one element off 16 bytes (a view diffusers'
-``.contiguous()`` hands on as it is, which the stand-in misreads as cuDNN does). Every case must pass the fp32 rule,
-and a compiled case must equal the eager one.
+sequence-local mask from 0.39.0), and through the op pair with one head and q/k/v one element off 16 bytes (a
+view diffusers' ``.contiguous()`` hands on as it is, which the stand-in misreads as cuDNN does). Every case must
+pass the fp32 rule, and a compiled case must equal the eager one.
 
 Releases: inductor where the mask is all-gathered (0.39.0, 0.42.1; it compiles C++ on 2 cores, so not on
 every release); ``aot_eager`` on the others whose op code differs (0.36.0 without Ulysses' mask gather,
