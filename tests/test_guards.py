@@ -622,10 +622,11 @@ def test_one_key_rows_that_see_their_key_and_fp16_masks_are_left_alone(patched) 
 QWEN_ORDER_SCRIPT = """
 import json, types, torch, diffusers_cudnn_fix
 import diffusers.models.attention_dispatch as module
+import diffusers.models.transformers.transformer_qwenimage  # loaded, as in a QwenImage run (its plan is read)
 from diffusers_cudnn_fix import UnsafeAttentionError
 from diffusers_cudnn_fix.fixes import qwen_joint_mask_order as guard
 
-def outcome(forward, mask, *, caller, plan_shards_mask=False, degree=2):
+def outcome(forward, mask, *, caller, plan_shards_mask=False, degree=2, fullgraph=None):
     class Reached(Exception):
         pass
 
@@ -643,12 +644,18 @@ def outcome(forward, mask, *, caller, plan_shards_mask=False, degree=2):
     q = k = v = torch.zeros(1, 4, 2, 8)
     args = (types.SimpleNamespace(), q, k, v, mask, 0.0, False, None, False, False, forward_op, None,
             types.SimpleNamespace(context_parallel_config=config))
+    call = scope["call"]
+    if fullgraph is not None:  # torch.compile'd, as a compiled transformer reaches it
+        torch._dynamo.reset()
+        call = torch.compile(call, backend="aot_eager", fullgraph=fullgraph)
     try:
-        scope["call"](forward, args)
+        call(forward, args)
     except UnsafeAttentionError as exc:
         return "refused: " + str(exc)
     except Reached:
         return "passed"
+    except Exception as exc:
+        return f"error: {type(exc).__name__}: {exc}"
     return "returned"
 
 padded = torch.ones(1, 1, 1, 8, dtype=torch.bool)
@@ -664,13 +671,18 @@ print(json.dumps({
     "plan_shards_mask": outcome(installed, padded, caller=qwen, plan_shards_mask=True),
     "degree_1": outcome(installed, padded, caller=qwen, degree=1),
     "shipped": outcome(shipped, padded, caller=qwen),
+    "compiled_padded": outcome(installed, padded, caller=qwen, fullgraph=False),
+    "compiled_unpadded": outcome(installed, torch.ones(1, 1, 1, 8, dtype=torch.bool), caller=qwen, fullgraph=False),
+    "compiled_other_model": outcome(installed, padded, caller=other, fullgraph=False),
+    "compiled_fullgraph_padded": outcome(installed, padded, caller=qwen, fullgraph=True),
 }))
 """
 
 
 def test_qwen_joint_mask_in_the_wrong_order_is_refused_on_038() -> None:
     """diffusers 0.38.0: a padded QwenImage joint mask at Ulysses degree 2 is refused, naming the cause and the
-    ways out; a mask that masks nothing, another model's mask, a plan that shards the mask, and degree 1 pass.
+    ways out; a mask that masks nothing, another model's mask, a plan that shards the mask, and degree 1 pass;
+    the same under torch.compile (the call then runs eagerly; with fullgraph=True it is an error naming the cause).
     The control: diffusers' own forward hands the padded mask on (the multi-process QwenImage run shows the
     gradients that follow are wrong, tests/test_cp_training.py)."""
     result = run(release_dir("0.38.0"), QWEN_ORDER_SCRIPT)
@@ -679,3 +691,9 @@ def test_qwen_joint_mask_in_the_wrong_order_is_refused_on_038() -> None:
         assert "0.39.0" in result[case] and "encoder_hidden_states_mask=None" in result[case], result[case]
     for case in ("unpadded", "other_model", "plan_shards_mask", "degree_1", "shipped"):
         assert result[case] == "passed", (case, result[case])
+    # Compiled: the call runs eagerly, where the same check decides; with fullgraph=True it cannot, and the error
+    # names the cause and the ways out.
+    assert result["compiled_padded"].startswith("refused: "), result["compiled_padded"]
+    assert result["compiled_unpadded"] == result["compiled_other_model"] == "passed", result
+    assert "torch.compile" in result["compiled_fullgraph_padded"], result["compiled_fullgraph_padded"]
+    assert "0.39.0" in result["compiled_fullgraph_padded"], result["compiled_fullgraph_padded"]

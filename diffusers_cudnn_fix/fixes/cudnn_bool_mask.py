@@ -255,7 +255,8 @@ def converting_ulysses_masks(shipped: Any) -> Any:
     def forward(
         ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        if isinstance(attn_mask, torch.Tensor):
+        # A mask that requires grad goes on as it came: the Ulysses mask-grad guard's to refuse, with its message.
+        if isinstance(attn_mask, torch.Tensor) and not attn_mask.requires_grad:
             op = args[_FORWARD_OP_AFTER_MASK] if len(args) > _FORWARD_OP_AFTER_MASK else kwargs.get("forward_op")
             policy = getattr(op, "mask_policy", None)
             if policy is not None:
