@@ -8,7 +8,8 @@
 #   bash benchmarks/gpu_session.sh hook-ab  # the hook only, this package against .base, more runs
 #   bash benchmarks/gpu_session.sh trust    # launch matrix + GPU tests, random cases, mask/ops benchmark,
 #                                           # the bare kernels' masked rows: 9 files in $OUT (each step under
-#                                           # its own time limit)
+#                                           # its own time limit; DCF_STEPS picks steps, default all four:
+#                                           # "tests random bench dead_rows", for a device call's 10 minutes)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -50,9 +51,10 @@ trust)
         # Contents only, files in sorted order: compare with the same one-liner run in your checkout.
         python3 -c "import hashlib, pathlib; h = hashlib.sha256(); [h.update(p.read_bytes()) for p in sorted(pathlib.Path('diffusers_cudnn_fix').rglob('*.py'))]; print('package sources sha256', h.hexdigest())"
     } >"$OUT/gpu-session.log" 2>&1
+    STEPS=" ${DCF_STEPS:-tests random bench dead_rows} "
     RES=/tmp/dcf-results
     mkdir -p "$RES"
-    step tests "${DCF_TESTS_LIMIT:-220}" env DIFFUSERS_CUDNN_FIX_RESULTS=$RES \
+    [[ $STEPS == *" tests "* ]] && step tests "${DCF_TESTS_LIMIT:-220}" env DIFFUSERS_CUDNN_FIX_RESULTS=$RES \
         python3 -m pytest tests/test_gpu.py tests/test_gpu_compile.py -q -p no:cacheprovider -rfE 2>&1 | tee "$OUT/gpu-tests.log"
     python3 - "$RES" "$OUT/gpu-tests.json" <<'PY'
 import json, sys
@@ -62,8 +64,8 @@ out.write_text(json.dumps({p.name: json.loads(p.read_text()) for p in sorted(fol
 PY
     RC=/tmp/dcf-random
     mkdir -p "$RC"
-    : >"$OUT/gpu-random-cases.log"
-    for spec in ${DCF_RANDOM:-0.39.0:300:150 0.42.1:120:70 0.36.0:120:70}; do
+    [[ $STEPS == *" random "* ]] && : >"$OUT/gpu-random-cases.log"
+    [[ $STEPS == *" random "* ]] && for spec in ${DCF_RANDOM:-0.39.0:300:150 0.42.1:120:70 0.36.0:120:70}; do
         IFS=: read -r version count limit <<<"$spec"  # the runner stops starting cases 10 s before the limit
         step "random $version" "$limit" python3 benchmarks/gpu_random_cases.py --release "$version" --cases "$count" \
             --jobs 8 --chunk 25 --budget $((limit - 10)) --out "$RC/random-$version.json" 2>&1 \
@@ -75,10 +77,10 @@ from pathlib import Path
 folder, out = Path(sys.argv[1]), Path(sys.argv[2])
 out.write_text(json.dumps({p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}, indent=1))
 PY
-    step bench "${DCF_BENCH_LIMIT:-60}" python3 benchmarks/bench_gpu.py --out "$OUT/bench-gpu.json" 2>&1 \
+    [[ $STEPS == *" bench "* ]] && step bench "${DCF_BENCH_LIMIT:-60}" python3 benchmarks/bench_gpu.py --out "$OUT/bench-gpu.json" 2>&1 \
         | tee "$OUT/bench-gpu.log"
     # The bare cuDNN kernels with fully masked rows and few key positions (what cudnn_masked_row_grads is for).
-    step "dead rows" "${DCF_DEAD_ROWS_LIMIT:-90}" python3 benchmarks/probe_dead_rows.py \
+    [[ $STEPS == *" dead_rows "* ]] && step "dead rows" "${DCF_DEAD_ROWS_LIMIT:-90}" python3 benchmarks/probe_dead_rows.py \
         --budget $(( ${DCF_DEAD_ROWS_LIMIT:-90} - 15 )) --out "$OUT/probe-dead-rows.json" 2>&1 \
         | tee "$OUT/probe-dead-rows.log"
     date -u >>"$OUT/gpu-session.log"
