@@ -697,3 +697,41 @@ def test_qwen_joint_mask_in_the_wrong_order_is_refused_on_038() -> None:
     assert result["compiled_unpadded"] == result["compiled_other_model"] == "passed", result
     assert "torch.compile" in result["compiled_fullgraph_padded"], result["compiled_fullgraph_padded"]
     assert "0.39.0" in result["compiled_fullgraph_padded"], result["compiled_fullgraph_padded"]
+
+
+# --- torch.autocast: q/k/v cast as F.scaled_dot_product_attention's autocast rule casts them ------------------
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+def test_autocast_casts_q_k_v_as_sdpa_does(patched, compiled: bool) -> None:
+    """Under ``torch.autocast(bf16)`` with fp32 weights a model's norms hand attention fp32 q/k beside bf16 v
+    (QwenImage's RMSNorm under CUDA autocast). ``F.scaled_dot_product_attention`` casts them to the autocast
+    dtype; the raw cuDNN op has no autocast rule, and the dtype guard refused them. The package now casts them,
+    so the result is the bf16 one (up to bf16 rounding: autocast reaches the stand-in kernel's own arithmetic
+    on the CPU), with or without ``torch.compile``; without autocast they are still refused."""
+    import scenario_compile
+    import torch
+
+    one = scenario_compile.attention_fn(patched, "pair", None)
+    fn = torch.compile(one, backend="aot_eager", fullgraph=True) if compiled else one
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(2, 32, 4, 32, generator=gen) for _ in range(4))
+    keep = torch.ones(2, 1, 1, 32, dtype=torch.bool)
+    keep[1, ..., -8:] = False
+
+    def run(inputs: list, autocast: bool) -> list:
+        leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = fn(*leaves, keep)
+        out.backward(grad.to(out.dtype))
+        return [out.detach(), *(x.grad for x in leaves)]
+
+    want = run([x.to(torch.bfloat16) for x in (q, k, v)], autocast=False)
+    got = run([q, k, v.to(torch.bfloat16)], autocast=True)
+    assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32  # autograd casts q's grad back
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2, msg=name)
+    # Compiled with fullgraph=True, a refusal reaches the caller as dynamo's error carrying the package's message.
+    with pytest.raises((UnsafeAttentionError, torch._dynamo.exc.Unsupported), match=r"q/k/v of dtypes torch\.float32"):
+        run([q, k, v.to(torch.bfloat16)], autocast=False)

@@ -15,6 +15,15 @@ from .._layout import realigned
 Check = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], "torch.Tensor | None"]
 
 
+def compute_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype the op computes in: autocast's where it is on for ``query``'s device (the cast the wrapper
+    makes), else ``query``'s own."""
+    device_type = query.device.type
+    if query.is_floating_point() and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return query.dtype
+
+
 def guard_forward(inner: Callable[..., Any], check: Check) -> Callable[..., Any]:
     """``inner`` (the installed forward op) behind ``check``.
 
@@ -34,6 +43,11 @@ def guard_forward(inner: Callable[..., Any], check: Check) -> Callable[..., Any]
         **kwargs: Any,
     ) -> Any:
         _devices.on_cuda_call(query)  # the GPU probe, once per CUDA device (also where nothing is corrected)
+        # Under autocast, q/k/v in the autocast dtype, as F.scaled_dot_product_attention's autocast rule casts
+        # them: the raw op has no such rule, and a model under autocast hands it fp32 q/k from its norms.
+        if torch.is_autocast_enabled(query.device.type):
+            dtype = compute_dtype(query)
+            query, key, value = (x.to(dtype) if x.is_floating_point() else x for x in (query, key, value))
         attn_mask = check(query, key, value, attn_mask)
         # Views at an odd offset reach the kernel as they are on every release (a contiguous view is not
         # copied by the ops' .contiguous()), and cuDNN misreads them: hand it aligned memory.

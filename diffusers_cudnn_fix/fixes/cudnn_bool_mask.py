@@ -44,7 +44,7 @@ import torch
 from .. import _detect, _switches
 from .._fix import Finding, Fix, Lookup
 from .._warnings import MaskConvertedWarning, MaskMisreadWarning, UnsafeAttentionError, logger
-from ._forward_guard import guard_forward
+from ._forward_guard import compute_dtype, guard_forward
 
 TARGET = "_cudnn_attention_forward_op"
 ULYSSES = "TemplatedUlyssesAttention.forward"
@@ -113,7 +113,8 @@ def _warn_once(category: type[Warning], message: str) -> None:
 def mask_policy(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None
 ) -> torch.Tensor | None:
-    """The mask to hand the kernel, by mode (docs/behaviour.md), or :class:`UnsafeAttentionError`."""
+    """The mask to hand the kernel, by mode (docs/behaviour.md), or :class:`UnsafeAttentionError`. Its dtype is
+    the one the op computes in: q's, or autocast's where autocast is on."""
     if attn_mask is None:
         return None
     if attn_mask.requires_grad:
@@ -122,7 +123,8 @@ def mask_policy(
             "path gives the mask no gradient (it would silently stay None). Detach the mask, or train the "
             "bias with another attention backend."
         )
-    if attn_mask.dtype == query.dtype:
+    dtype = compute_dtype(query)
+    if attn_mask.dtype == dtype:
         return attn_mask
     if not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
         raise UnsafeAttentionError(
@@ -137,21 +139,21 @@ def mask_policy(
             _warn_once(
                 MaskConvertedWarning,
                 f"diffusers_cudnn_fix: a {attn_mask.dtype} attention mask reached diffusers' context-parallel "
-                f"cuDNN op, which would misread it as a {query.dtype} additive bias ({ISSUE}); it was converted "
-                f"to an additive {query.dtype} mask. {_switches.MASK_VAR}=warn passes masks through as diffusers "
+                f"cuDNN op, which would misread it as a {dtype} additive bias ({ISSUE}); it was converted "
+                f"to an additive {dtype} mask. {_switches.MASK_VAR}=warn passes masks through as diffusers "
                 "does, =error refuses them (shown once per process).",
             )
-        return _converted(attn_mask, query.dtype)
+        return _converted(attn_mask, dtype)
     if mode == "error":
         raise UnsafeAttentionError(
             f"diffusers_cudnn_fix: a {attn_mask.dtype} attention mask reached diffusers' context-parallel "
-            f"cuDNN op, which would misread it as a {query.dtype} additive bias ({ISSUE}). "
+            f"cuDNN op, which would misread it as a {dtype} additive bias ({ISSUE}). "
             f"Set {_switches.MASK_VAR}=convert to convert it, or pass an additive mask of q's dtype."
         )
     _warn_once(
         MaskMisreadWarning,
         f"diffusers_cudnn_fix: a {attn_mask.dtype} attention mask reached diffusers' context-parallel cuDNN op "
-        f"and was passed through ({_switches.MASK_VAR}=warn): the kernel reads it as a {query.dtype} bias "
+        f"and was passed through ({_switches.MASK_VAR}=warn): the kernel reads it as a {dtype} bias "
         f"({ISSUE}), a bool mask out of bounds, so outputs and gradients are wrong. "
         f"Unset {_switches.MASK_VAR} (or set it to convert) to convert masks.",
     )

@@ -12,7 +12,8 @@ Detection: run the installed forward with fp32 q/k/v, and with bf16 q and fp16 k
 reach the kernel.
 
 Replacement: a thin wrapper around the installed forward op that raises :class:`UnsafeAttentionError`
-naming the three dtypes and the way out.
+naming the three dtypes and the way out. Under ``torch.autocast`` the wrapper first casts q/k/v to the autocast
+dtype, as ``F.scaled_dot_product_attention``'s autocast rule does (the raw op has none).
 
 Revert: the object that was there before is put back (the registry keeps it).
 """
@@ -41,8 +42,9 @@ def refuse_unsupported_dtypes(
         raise UnsafeAttentionError(
             f"diffusers_cudnn_fix: q/k/v of dtypes {query.dtype}/{key.dtype}/{value.dtype} reached diffusers' "
             "context-parallel cuDNN attention op, which needs q, k and v of one dtype, float16 or bfloat16, and "
-            "returns garbage for anything else. Run the model in one of those dtypes (e.g. torch.autocast or "
-            ".to(torch.bfloat16)) or choose another attention backend."
+            "returns garbage for anything else. Run the model in one of those dtypes (.to(torch.bfloat16), or "
+            "under torch.autocast with a float16 or bfloat16 dtype, where the package casts q/k/v as "
+            "F.scaled_dot_product_attention does) or choose another attention backend."
         )
     return attn_mask
 
