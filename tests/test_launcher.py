@@ -13,17 +13,22 @@ Python process COMMAND starts, without the script importing it.
   folder is not left on ``sys.path``; the package's import rules hold (no torch, one thread); an
   interpreter without the package runs on with one line on stderr; a missing command, a command that
   cannot be run and a usage error get their own exit statuses.
-* The wheel ships the start-up hook and the licence.
+* Packaging: the sdist carries every path the README names; the wheel built from it ships the start-up
+  hook, the licence, ``py.typed`` and its metadata, and installs from a direct reference; the release
+  command (``.ci/release``) builds both, passes ``twine check --strict`` and builds the same bytes twice.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import venv
 import zipfile
 from pathlib import Path
@@ -242,19 +247,48 @@ def test_torchrun_through_the_launcher_trains_right_and_without_it_does_not(tmp_
 # ------------------------------------------------------------------------------------------------------------
 # Packaging
 # ------------------------------------------------------------------------------------------------------------
-def test_the_wheel_ships_the_start_up_hook_and_the_licence(tmp_path: Path) -> None:
+#: Paths the README names in backticks (docs, tests, benchmarks and their results, CI's entry points).
+README_PATH = re.compile(r"`((?:docs|tests|benchmarks|results|\.ci)/[^`*<> ]*[^`*<> /.])`")
+IGNORE_IN_COPY = shutil.ignore_patterns(
+    ".git", ".venv", ".cache", ".whl", "__pycache__", "build", "dist", "*.egg-info", ".pytest_cache", ".hypothesis"
+)
+
+
+def _pip(*args: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_sdist_and_its_wheel_ship_what_the_readme_names_and_install_as_it_says(tmp_path: Path) -> None:
+    """The sdist carries every path the README names; the wheel built from it (as `python -m build` does)
+    carries the start-up hook, the licence, py.typed and the metadata; and the wheel installs from the
+    README's direct reference (`diffusers-cudnn-fix @ file:///...`), after which `--version` names it."""
     setuptools = pytest.importorskip("setuptools")
     if int(setuptools.__version__.split(".")[0]) < 77:
         pytest.skip(f"setuptools {setuptools.__version__} here; the build needs >= 77 (PEP 639 licence fields)")
+    import diffusers_cudnn_fix
+
+    version = diffusers_cudnn_fix.__version__
     src = tmp_path / "src"
-    package = ROOT / "diffusers_cudnn_fix"
-    shutil.copytree(package, src / package.name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy(ROOT / name, src / name)
-    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index"]
-    proc = subprocess.run([*build, "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=180)
+    shutil.copytree(ROOT, src, ignore=IGNORE_IN_COPY)
+    sdist_dir = tmp_path / "sdist"
+    build_sdist = f"from setuptools import build_meta; print(build_meta.build_sdist({str(sdist_dir)!r}))"
+    proc = subprocess.run([sys.executable, "-c", build_sdist], capture_output=True, text=True, cwd=src, timeout=180)
     assert proc.returncode == 0, proc.stderr
-    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    sdist = sdist_dir / proc.stdout.split()[-1]
+    assert sdist.name == f"diffusers_cudnn_fix-{version}.tar.gz"
+    with tarfile.open(sdist) as tf:
+        tf.extractall(tmp_path / "unpacked", filter="data")
+    unpacked = tmp_path / "unpacked" / f"diffusers_cudnn_fix-{version}"
+    named = sorted(set(README_PATH.findall((ROOT / "README.md").read_text())))
+    assert "docs/behaviour.md" in named and any(n.startswith("benchmarks/results/") for n in named), named
+    missing = [n for n in named if "*" not in n and not (unpacked / n).exists()]
+    assert not missing, f"the README names paths the sdist lacks: {missing}"
+
+    wheel_dir = tmp_path / "dist"
+    _pip("wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(wheel_dir), str(unpacked))
+    (wheel,) = wheel_dir.glob("*.whl")
+    assert wheel.name == f"diffusers_cudnn_fix-{version}-py3-none-any.whl"
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         hook = zf.read("diffusers_cudnn_fix/site-bootstrap/sitecustomize.py")
@@ -263,8 +297,67 @@ def test_the_wheel_ships_the_start_up_hook_and_the_licence(tmp_path: Path) -> No
         entry_points = zf.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
     assert hook == (_launcher.BOOTSTRAP_DIR / "sitecustomize.py").read_bytes()
     assert [n for n in names if "site-bootstrap" in n] == ["diffusers_cudnn_fix/site-bootstrap/sitecustomize.py"]
+    assert "diffusers_cudnn_fix/py.typed" in names
     assert "Apache License" in licence and "Version 2.0, January 2004" in licence and "END OF TERMS" in licence
     assert "License-Expression: Apache-2.0" in metadata
-    for version in ("3.10", "3.11", "3.12", "3.13"):
-        assert f"Classifier: Programming Language :: Python :: {version}" in metadata
+    assert f"\nVersion: {version}\n" in metadata
+    assert "Classifier: Development Status :: " in metadata and "Classifier: Typing :: Typed" in metadata
+    for py in ("3.10", "3.11", "3.12", "3.13"):
+        assert f"Classifier: Programming Language :: Python :: {py}" in metadata
+    assert "Description-Content-Type: text/markdown" in metadata
     assert "diffusers-cudnn-fix = diffusers_cudnn_fix.__main__:main" in entry_points
+
+    # Installed as the README says: a direct reference in a requirements file.
+    target = tmp_path / "site"
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text(f"diffusers-cudnn-fix @ {wheel.resolve().as_uri()}\n")
+    _pip("install", "-q", "--no-deps", "--no-index", "--target", str(target), "-r", str(requirements))
+    env = _clean_env(PYTHONPATH=str(target))
+    code = "import diffusers_cudnn_fix as d, sys; print(d.__file__); sys.argv = ['x', '--version']; " + (
+        "from diffusers_cudnn_fix.__main__ import main; main()"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    where, said = proc.stdout.splitlines()
+    assert Path(where).is_relative_to(target), where
+    assert said == f"diffusers-cudnn-fix {version}"
+
+
+def test_the_release_command_builds_checked_byte_identical_artefacts(tmp_path: Path) -> None:
+    """`bash .ci/release DIR` (the README's release command): sdist and wheel, `twine check --strict` passed,
+    and a second build gives the same bytes."""
+    for module in ("build", "twine"):
+        pytest.importorskip(module, reason=f"{module} is not installed here (the test extra has it)")
+    import diffusers_cudnn_fix
+
+    version = diffusers_cudnn_fix.__version__
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=IGNORE_IN_COPY)
+    hashes = []
+    env = _clean_env(PYTHON=sys.executable, SOURCE_DATE_EPOCH="1796300000")  # no .git in the copy
+    for name in ("a", "b"):
+        out = tmp_path / name
+        proc = subprocess.run(
+            ["bash", str(src / ".ci" / "release"), str(out)], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert proc.returncode == 0, (proc.stdout, proc.stderr)
+        assert proc.stdout.count("PASSED") == 2, proc.stdout
+        files = sorted(p.name for p in out.iterdir())
+        assert files == [f"diffusers_cudnn_fix-{version}-py3-none-any.whl", f"diffusers_cudnn_fix-{version}.tar.gz"]
+        hashes.append({f: hashlib.sha256((out / f).read_bytes()).hexdigest() for f in files})
+        os.utime(src / "README.md")  # a file touched between the builds changes nothing
+    assert hashes[0] == hashes[1], hashes
+
+
+def test_pytest_runs_where_pytest_xdist_is_not_installed(tmp_path: Path) -> None:
+    """The configured options (pyproject.toml's addopts) need no plugin: `python -m pytest` where xdist is
+    absent (here: disabled) collects instead of stopping with "unrecognized arguments"."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "--co", "tests/test_structure.py"],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        env=_clean_env(),
+        timeout=120,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
