@@ -124,7 +124,11 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"), "python": sys.version.split()[0], "runs": args.runs,
         "command": "python " + " ".join(sys.argv), "cpu": _cpu(), "cpus": os.cpu_count(),
     }  # fmt: skip
-    print(f"{results['cpu']}, {results['cpus']} CPUs, Python {results['python']}, {args.runs} runs each")
+    results["load_average_at_start"] = os.getloadavg()[0]  # other work on the machine widens the spread
+    print(
+        f"{results['cpu']}, {results['cpus']} CPUs, Python {results['python']}, {args.runs} runs each, "
+        f"load average {results['load_average_at_start']:.1f} at the start"
+    )
 
     samples: dict[str, list[float]] = {"wrapt": [], "diffusers_cudnn_fix": []}
     heavy: set[str] = set()
@@ -178,6 +182,8 @@ def main() -> None:
                 f"(budget +5 % at the median: {'within' if within else 'OVER'})"
             )
         results[version] = entry
+    results["load_average_at_end"] = os.getloadavg()[0]
+    print(f"load average {results['load_average_at_end']:.1f} at the end")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")

@@ -45,6 +45,7 @@ def go(*args):
 
 
 result = {"text": go("--no-gpu"), "verbose": go("--no-gpu", "--verbose"), "json": go("--no-gpu", "--json")}
+result["json_probe"] = go("--json")  # the GPU probe asked for (on a CPU: skipped, with its reason)
 """
 
 # 0.39.0 only: the table the doctor prints on a GPU, with a row that raises the package's real fp32 error
@@ -195,8 +196,11 @@ def test_the_doctor_names_the_package_version() -> None:
     lines = result["text"]["text"].splitlines()
     versions_line = next(line for line in lines if line.startswith("diffusers_cudnn_fix "))
     assert versions_line.startswith(f"diffusers_cudnn_fix {__version__}, diffusers 0.39.0, torch "), versions_line
-    # No GPU here: the probe was skipped, so there is no table (not a header without rows).
-    assert data["probe"]["state"] == "skipped" and data["probe_table"] is None, data["probe_table"]
+    probed = json.loads(result["json_probe"]["text"])
+    if probed["probe"]["state"] == "skipped":  # no GPU here: no table (not a header without rows)
+        assert probed["probe_table"] is None, probed["probe_table"]
+    else:
+        assert len(probed["probe_table"].splitlines()) > 2, probed["probe_table"]
     for args in (["--version"], ["doctor", "--version"]):
         proc = _doctor_process(None, *args)
         assert proc.returncode == 0, (proc.returncode, proc.stderr)
