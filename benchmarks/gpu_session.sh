@@ -6,10 +6,11 @@
 #   bash benchmarks/gpu_session.sh import  # bench_import.py and hook_phases.py on that machine's CPU
 #   bash benchmarks/gpu_session.sh references  # tests/test_references.py under that machine's Python
 #   bash benchmarks/gpu_session.sh hook-ab  # the hook only, this package against .base, more runs
-#   bash benchmarks/gpu_session.sh trust    # launch matrix + GPU tests, random cases, mask/ops benchmark,
-#                                           # the bare kernels' masked rows: 9 files in $OUT (each step under
-#                                           # its own time limit; DCF_STEPS picks steps, default all four:
-#                                           # "tests random bench dead_rows", for a device call's 10 minutes)
+#   bash benchmarks/gpu_session.sh trust    # the doctor on 0.39.0 and 0.42.1, launch matrix + GPU tests,
+#                                           # random cases, mask/ops benchmark, the bare kernels' masked rows:
+#                                           # 11 files in $OUT (each step under its own time limit; DCF_STEPS
+#                                           # picks steps, default all five: "doctor tests random bench
+#                                           # dead_rows", for a device call's 10 minutes)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -51,7 +52,14 @@ trust)
         # Contents only, files in sorted order: compare with the same one-liner run in your checkout.
         python3 -c "import hashlib, pathlib; h = hashlib.sha256(); [h.update(p.read_bytes()) for p in sorted(pathlib.Path('diffusers_cudnn_fix').rglob('*.py'))]; print('package sources sha256', h.hexdigest())"
     } >"$OUT/gpu-session.log" 2>&1
-    STEPS=" ${DCF_STEPS:-tests random bench dead_rows} "
+    STEPS=" ${DCF_STEPS:-doctor tests random bench dead_rows} "
+    # The doctor on this GPU, as a user runs it (benchmarks/results/doctor-<version>.txt; the README's H200
+    # table cites the 0.39.0 one). Its exit status is the file's last line.
+    [[ $STEPS == *" doctor "* ]] && for version in 0.39.0 0.42.1; do
+        step "doctor $version" "${DCF_DOCTOR_LIMIT:-120}" bash -c \
+            'PYTHONPATH=$PWD/.cache/diffusers/$1:$PYTHONPATH python3 -m diffusers_cudnn_fix >"$2" 2>&1; rc=$?
+             echo "rc=$rc" >>"$2"; exit $rc' _ "$version" "$OUT/doctor-$version.txt"
+    done
     RES=/tmp/dcf-results
     mkdir -p "$RES"
     [[ $STEPS == *" tests "* ]] && step tests "${DCF_TESTS_LIMIT:-220}" env DIFFUSERS_CUDNN_FIX_RESULTS=$RES \

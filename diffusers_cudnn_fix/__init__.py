@@ -41,8 +41,11 @@ Public API:
 - :func:`set_probe_mode` ``("warn" | "strict" | "off")`` and :func:`set_mask_mode`
   ``("convert" | "warn" | "error")``: the API twins of the switches below; they win over the environment
   and raise ``ValueError`` for a bad value;
-- :func:`is_patched` ``(attr)`` and :func:`get_original` ``(attr)``: whether
-  ``diffusers.models.attention_dispatch.<attr>`` is our replacement now, and the object diffusers shipped;
+- :func:`is_patched` ``(target)`` and :func:`get_original` ``(target)``: whether
+  ``diffusers.models.attention_dispatch.<target>`` is our replacement now, and the object diffusers shipped;
+  ``target`` is one of :data:`TARGETS` (bare or with the module's dotted name), anything else raises
+  ``ValueError``;
+- ``__version__``: this package's version (also ``diffusers-cudnn-fix --version`` and the doctor's output);
 - the warning categories (:class:`DiffusersCudnnFixWarning` and its subclasses, all ``RuntimeWarning``)
   and :class:`UnsafeAttentionError`, raised where a result would be wrong and cannot be corrected.
 
@@ -83,9 +86,25 @@ if TYPE_CHECKING:
     from ._devices import ProbeResult
     from ._report import Report
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+#: What :func:`is_patched` and :func:`get_original` take: the attributes of
+#: ``diffusers.models.attention_dispatch`` the fixes may replace (``Class.method`` for a class attribute),
+#: bare or with that module's dotted name before them. Kept here, not read off the fixes, so that the
+#: queries work without torch; tests/test_apply_revert.py checks it against the fixes' targets.
+TARGETS = (
+    "_cudnn_attention_forward_op",
+    "_cudnn_attention_backward_op",
+    "_native_flash_attention_forward_op",
+    "_native_flash_attention_backward_op",
+    "TemplatedRingAttention.forward",
+    "TemplatedRingAttention.backward",
+    "TemplatedUlyssesAttention.forward",
+    "TemplatedUlyssesAttention.backward",
+)
 
 __all__ = [
+    "TARGETS",
     "DiffusersCudnnFixWarning",
     "FixNotAppliedWarning",
     "MaskConvertedWarning",
@@ -128,6 +147,7 @@ def apply() -> Report:
     from . import _registry
 
     _hook.arm()
+    _switches.check_environment()
     module = importlib.import_module(_switches.MODULE_NAME)  # a first import fires the hook
     _registry.apply_to(module)
     if _switches.enabled():
@@ -152,9 +172,25 @@ def status() -> Report:
 
 
 def probe(device: Any = None) -> ProbeResult:
-    """Run the GPU gradient probe now on ``device`` (default: the current CUDA device); returns its result."""
+    """Run the GPU gradient probe now on ``device`` (default: the current CUDA device); returns its result.
+
+    ``device``: None, a CUDA device index, ``"cuda"`` / ``"cuda:N"`` or a CUDA ``torch.device``; anything else
+    raises ``ValueError``. On a machine without a usable GPU the result is ``"skipped"`` with the reason.
+    """
     from . import _probe
 
+    is_index = isinstance(device, int) and not isinstance(device, bool)
+    if is_index and device < 0:
+        raise ValueError(f"probe() takes a CUDA device (an index, 'cuda', 'cuda:N'), not {device!r}")
+    if device is not None and not is_index:
+        import torch
+
+        try:
+            parsed = torch.device(device)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise ValueError(f"probe() takes a CUDA device (an index, 'cuda', 'cuda:N'), not {device!r}") from exc
+        if parsed.type != "cuda":
+            raise ValueError(f"probe() checks CUDA kernels; {device!r} is a {parsed.type} device")
     return _probe.probe(device)
 
 
@@ -171,20 +207,41 @@ def set_mask_mode(mode: str) -> None:
     _switches.set_mask_mode(mode)
 
 
-def is_patched(attr: str) -> bool:
-    """Whether ``diffusers.models.attention_dispatch.<attr>`` is our replacement right now."""
+def _target(target: object) -> str:
+    """``target`` as one of :data:`TARGETS`, or ``ValueError`` naming them."""
+    if isinstance(target, str):
+        name = target.strip().removeprefix(_switches.MODULE_NAME + ".")
+        if name in TARGETS:
+            return name
+    raise ValueError(
+        f"{target!r} is not an attribute the package may patch; use one of {', '.join(TARGETS)} "
+        f"(optionally prefixed with {_switches.MODULE_NAME}.)"
+    )
+
+
+def is_patched(target: str) -> bool:
+    """Whether ``diffusers.models.attention_dispatch.<target>`` is our replacement right now.
+
+    ``target``: one of :data:`TARGETS` (``"_cudnn_attention_backward_op"``,
+    ``"TemplatedRingAttention.backward"``, ...), bare or as ``"diffusers.models.attention_dispatch.<target>"``;
+    anything else raises ``ValueError`` naming the known targets.
+    """
+    name = _target(target)
     if "diffusers_cudnn_fix._registry" not in sys.modules:
         return False  # nothing was ever patched in this process
     from . import _registry
 
-    return _registry.is_patched(attr)
+    return _registry.is_patched(name)
 
 
-def get_original(attr: str) -> Any:
-    """The object diffusers shipped as ``diffusers.models.attention_dispatch.<attr>`` (None if absent)."""
+def get_original(target: str) -> Any:
+    """The object diffusers shipped as ``diffusers.models.attention_dispatch.<target>`` (None if diffusers'
+    module is not imported or lacks it). ``target`` as for :func:`is_patched`; anything else raises
+    ``ValueError``."""
+    name = _target(target)
     from . import _registry
 
-    return _registry.original(attr)
+    return _registry.original(name)
 
 
 _hook.arm()

@@ -16,10 +16,13 @@ import json
 import os
 import sys
 import textwrap
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NoReturn
 
-from . import _launcher
+from . import __version__, _launcher, _switches
+from ._warnings import DiffusersCudnnFixWarning
 
 EXIT_OK, EXIT_NOT_SAFE, EXIT_NO_DIFFUSERS, EXIT_UNVERIFIED = 0, 1, 2, 3
 #: A switch or argument the command line does not take (BSD ``sysexits.h``'s EX_USAGE): kept apart from 2,
@@ -50,7 +53,9 @@ exit status of "run":
 
 ENVIRONMENT = """\
 environment switches (values are case-insensitive):
-  DIFFUSERS_CUDNN_FIX=0|1            0 turns the package off (default 1)
+  DIFFUSERS_CUDNN_FIX=0|1            0 turns the package off (default 1); the same:
+                                     off: 0 off false no disable disabled
+                                     on:  1 on true yes enable enabled
   DIFFUSERS_CUDNN_FIX_SKIP=id,...    fixes to leave alone (still checked and reported)
   DIFFUSERS_CUDNN_FIX_MASK=convert|warn|error
                                      what a bool or wrongly typed mask reaching the cuDNN
@@ -94,11 +99,13 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> _Parser:
     parser = _Parser(
         prog=PROG,
-        usage=f"{PROG} [doctor] [--json] [--no-gpu] [--verbose]\n       {PROG} run [--] COMMAND [ARGS...]",
+        usage=f"{PROG} [doctor] [--json] [--no-gpu] [--verbose]\n       {PROG} run [--] COMMAND [ARGS...]"
+        f"\n       {PROG} --version",
         description=DESCRIPTION,
         epilog=ENVIRONMENT + "\n" + DOCTOR_EXIT_STATUSES + "\n" + RUN_EXIT_STATUSES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--no-gpu", action="store_true", help="skip the GPU probe and the error table")
     parser.add_argument(
@@ -211,13 +218,14 @@ def collect(run_gpu: bool = True) -> tuple[dict[str, Any], int]:
         import diffusers.models.attention_dispatch  # noqa: F401 - fires the hook
         import torch  # noqa: F401
     except Exception as exc:  # noqa: BLE001
-        return {"error": f"cannot import diffusers' attention module: {type(exc).__name__}: {exc}"}, EXIT_NO_DIFFUSERS
+        error = f"cannot import diffusers' attention module: {type(exc).__name__}: {exc}"
+        return {"version": __version__, "error": error, "exit_status": EXIT_NO_DIFFUSERS}, EXIT_NO_DIFFUSERS
 
     import diffusers_cudnn_fix
 
     from . import _probe as probe
 
-    data: dict[str, Any] = {"environment": _environment()}
+    data: dict[str, Any] = {"version": __version__, "environment": _environment()}
     before = diffusers_cudnn_fix.status()
     live = _check_findings()
     data["check_after_patching"] = live if before.enabled else {}
@@ -225,7 +233,7 @@ def collect(run_gpu: bool = True) -> tuple[dict[str, Any], int]:
     if run_gpu:
         result = probe.probe()
         data["probe"] = dataclasses.asdict(result)
-        data["probe_table"] = probe.table(result)
+        data["probe_table"] = probe.table(result) if result.cases else None  # no header without rows
         if result.state != "skipped":
             gpu = result.device
             data["shipped_vs_corrected"] = _shipped_vs_corrected(__import__("torch").device(gpu))
@@ -282,8 +290,8 @@ def _next_step(data: dict[str, Any]) -> list[str]:
         needed = ", ".join(f["id"] for f in status["fixes"] if f["needs_attention"])
         return [
             _wrap(
-                f"NOT SAFE: the package is switched off (DIFFUSERS_CUDNN_FIX=0), and diffusers {version} needs "
-                f"its fixes ({needed}). Unset DIFFUSERS_CUDNN_FIX (or set it to 1) to turn it on.",
+                f"NOT SAFE: the package is switched off ({_switched_off_by()}), and diffusers {version} needs "
+                f"its fixes ({needed}). Unset {_switches.ENABLE_VAR} (or set it to 1) to turn it on.",
                 "",
             )
         ]
@@ -305,10 +313,7 @@ def _next_step(data: dict[str, Any]) -> list[str]:
             f"Nothing to fix here: diffusers {version} needs none of this package's fixes. You do not need it;",
             "imported anyway, it changes nothing.",
         ]
-    what = "the guards below" if data["no_gradient_correction_needed"] else "the fixes below"
-    lines = [
-        f"NEXT STEP: diffusers {version} needs {what}. The doctor applied them in its own process only;",
-        "make them active in every process of your training run, either way:",
+    how = [
         "  - add `import diffusers_cudnn_fix` at the top of the training entry point (the script every rank",
         "    runs), before or after diffusers; or",
         "  - if you cannot edit it, start the training through the launcher:",
@@ -316,22 +321,33 @@ def _next_step(data: dict[str, Any]) -> list[str]:
         f"      {PROG} run -- accelerate launch train.py ...",
     ]
     if data["no_gradient_correction_needed"]:
+        # One decision, not two instructions: remove it, or keep the guards active everywhere.
         guards = ", ".join(data["active_guards"])
-        lines.append("")
-        lines.append(
+        return [
             _wrap(
                 f"Can be removed: diffusers {version} needs none of the gradient corrections. The package only "
-                f"guards here ({guards}; what each guards against is in the table below): if your training can "
-                "meet none of those cases, you can remove it.",
+                f"guards here ({guards}; what each guards against is in the table below). If your training can "
+                "meet none of those cases, remove it. To keep the guards instead, make them active in every "
+                "process of your training run (the doctor applied them in its own process only), either way:",
                 "",
-            )
-        )
-    return lines
+            ),
+            *how,
+        ]
+    return [
+        f"NEXT STEP: diffusers {version} needs the fixes below. The doctor applied them in its own process only;",
+        "make them active in every process of your training run, either way:",
+        *how,
+    ]
+
+
+def _switched_off_by() -> str:
+    """The master switch as the user spelled it (``DIFFUSERS_CUDNN_FIX='OFF'``)."""
+    return f"{_switches.ENABLE_VAR}={_switches.raw_enable_value()!r}"
 
 
 def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
     if "error" in data:
-        print(f"diffusers_cudnn_fix doctor: {data['error']}")
+        print(f"diffusers_cudnn_fix {data['version']} doctor: {data['error']}")
         print("Install diffusers and torch into this interpreter (the one that runs the training), then run the")
         print("doctor again.")
         print(f"\nexit status {EXIT_NO_DIFFUSERS}")
@@ -345,11 +361,12 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
 
     env = data["environment"]
     print(
-        f"\ndiffusers {status['diffusers_version']}, torch {env['torch']}, Python {env['python']}, "
-        f"CUDA {env['cuda'] or 'none'}, cuDNN {env['cudnn'] or 'none'}, GPU {env['gpu'] or 'none'}"
+        f"\ndiffusers_cudnn_fix {data['version']}, diffusers {status['diffusers_version']}, torch {env['torch']}, "
+        f"Python {env['python']}, CUDA {env['cuda'] or 'none'}, cuDNN {env['cudnn'] or 'none'}, "
+        f"GPU {env['gpu'] or 'none'}"
     )
     if not status["enabled"]:
-        print("diffusers_cudnn_fix is SWITCHED OFF by DIFFUSERS_CUDNN_FIX=0")
+        print(f"diffusers_cudnn_fix is SWITCHED OFF by {_switched_off_by()}")
 
     print("\nfixes (table: the release table lists this release; check: what the check found in the shipped code):")
     rows = [("fix", "table", "check", "applied", "result")]
@@ -436,6 +453,26 @@ def _run_command(argv: list[str]) -> int:
     return _launcher.run(command)
 
 
+@contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """The package's warnings raised while the doctor works, shown as ``diffusers-cudnn-fix: Category:
+    message``: the doctor is the user's code here, so there is no line of theirs to file them at."""
+    stock = warnings.formatwarning
+
+    def formatwarning(
+        message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None
+    ) -> str:
+        if issubclass(category, DiffusersCudnnFixWarning):
+            return f"{PROG}: {category.__name__}: {message}\n"
+        return stock(message, category, filename, lineno, line)
+
+    warnings.formatwarning = formatwarning
+    try:
+        yield
+    finally:
+        warnings.formatwarning = stock
+
+
 def main(argv: list[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["run"]:
@@ -443,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     if args_list[:1] == ["doctor"]:
         args_list = args_list[1:]
     args = _parser().parse_args(args_list)
-    data, code = collect(run_gpu=not args.no_gpu)
+    with _warnings_as_lines():
+        data, code = collect(run_gpu=not args.no_gpu)
     try:
         if args.json:
             print(json.dumps(data, default=str))

@@ -29,11 +29,10 @@ _late = False
 def arm() -> None:
     """Register the hook once per process (unless the package is switched off) and let it patch. Never raises."""
     global _registered, _active, _late
-    if not _switches.enabled():
+    # Quiet: a process that only imports the package (the launcher's own) reports nothing; a bad value is
+    # reported once the package acts (on_import), in the process that trains.
+    if not _switches.enabled(quiet=True):
         return
-    # A bad value is reported now, at import, not at its first use (which may never come on a CPU).
-    _switches.mask_mode()
-    _switches.probe_mode()
     with _lock:
         _active = True
         if _registered:
@@ -70,6 +69,9 @@ def on_import(module: ModuleType) -> None:
     if not _active:
         return
     try:
+        # Bad switch values are reported here, at the user's import of diffusers (not first use, which may
+        # never come on a CPU).
+        _switches.check_environment()
         from ._registry import apply_to
 
         apply_to(module, scan_references=_late)

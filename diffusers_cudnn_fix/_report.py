@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, NamedTuple
 
-from ._switches import ENABLE_VAR, MODULE_NAME
+from ._switches import ENABLE_VAR, MODULE_NAME, raw_enable_value
 
 
 class FixStatus(NamedTuple):
@@ -93,7 +93,10 @@ class Report(NamedTuple):
         if self.ok:
             verdict = "OK"
         elif not self.enabled:
-            verdict = f"NOT SAFE: the package is switched off ({ENABLE_VAR}=0) on a release that needs its fixes"
+            verdict = (
+                f"NOT SAFE: the package is switched off ({ENABLE_VAR}={raw_enable_value()!r}) on a release that "
+                "needs its fixes"
+            )
         else:
             verdict = "NOT SAFE: see the lines above"
         lines.append(f"  verdict: {verdict}")

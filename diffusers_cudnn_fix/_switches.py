@@ -1,9 +1,11 @@
 """The four switches: one parser for the environment and the API.
 
 Read when asked, not cached, so tests and launchers can flip them. Values are stripped and
-case-insensitive. A bad value in the environment is reported once (a :class:`SwitchValueWarning` naming the
-variable, the value, the allowed values and what is used instead); a bad value given to the API raises
-``ValueError``. What each value does: ``docs/behaviour.md``.
+case-insensitive. A bad value in the environment is reported once per process (a :class:`SwitchValueWarning`
+naming the variable, the value, the allowed values and what is used instead), when the package first acts
+(diffusers' attention module imported, or :func:`check_environment`), not when the package is merely
+imported: the launcher's own process, which only imports it, reports nothing. A bad value given to the API
+raises ``ValueError``. What each value does: ``docs/behaviour.md``.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def _bad_value(var: str, raw: str, problem: str) -> None:
         report(f"diffusers_cudnn_fix: {var}={raw!r}: {problem}.", SwitchValueWarning)
 
 
-def _choice(var: str) -> str:
+def _choice(var: str, *, quiet: bool = False) -> str:
     if var in _overrides:
         return _overrides[var]
     spellings, default, fallback = _CHOICES[var]
@@ -55,7 +57,8 @@ def _choice(var: str) -> str:
         return default
     value = spellings.get(raw.strip().lower())
     if value is None:
-        _bad_value(var, raw, f"not one of {', '.join(spellings)}; using {fallback!r}")
+        if not quiet:
+            _bad_value(var, raw, f"not one of {', '.join(spellings)}; using {fallback!r}")
         return fallback
     return value
 
@@ -68,9 +71,21 @@ def _set(var: str, value: str) -> None:
     _overrides[var] = chosen
 
 
-def enabled() -> bool:
-    """Whether the package may patch anything (the master switch)."""
-    return _choice(ENABLE_VAR) == "on"
+def enabled(*, quiet: bool = False) -> bool:
+    """Whether the package may patch anything (the master switch). ``quiet``: do not report a bad value
+    (the package's import reads it so; the report comes when the package acts)."""
+    return _choice(ENABLE_VAR, quiet=quiet) == "on"
+
+
+def raw_enable_value() -> str:
+    """The master switch as the user set it (for messages that quote it), or ``""``."""
+    return os.environ.get(ENABLE_VAR, "").strip()
+
+
+def check_environment() -> None:
+    """Report a bad value of the master, mask and probe switches now (once per variable and value)."""
+    for var in (ENABLE_VAR, MASK_VAR, PROBE_VAR):
+        _choice(var)
 
 
 def mask_mode() -> str:

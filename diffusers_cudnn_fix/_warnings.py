@@ -1,7 +1,10 @@
 """Every warning category and the error this package raises, and the one helper that reports a problem.
 
 A problem met at import or hook time becomes a warning of one of these categories plus a ``logging``
-record on the ``diffusers_cudnn_fix`` logger, never an exception in the host's import. Filter them like any
+record on the ``diffusers_cudnn_fix`` logger, never an exception in the host's import. A user sees it once:
+the warning, filed at the user's own line (the first frame outside this package, diffusers, torch, wrapt
+and the import machinery). The logger has a ``NullHandler``, so the record reaches the handlers a user
+configures but is not printed a second time by ``logging``'s last-resort handler. Filter them like any
 warning::
 
     warnings.simplefilter("error", diffusers_cudnn_fix.DiffusersCudnnFixWarning)
@@ -10,10 +13,23 @@ warning::
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import warnings
+from types import FrameType
 
 LOGGER_NAME = "diffusers_cudnn_fix"
 logger = logging.getLogger(LOGGER_NAME)
+# Without a handler anywhere on its path, logging prints a WARNING record through its last-resort handler,
+# which would repeat every warning below on stderr. The NullHandler counts as a handler; records still
+# propagate to whatever the user configures (root handlers, basicConfig).
+logger.addHandler(logging.NullHandler())
+
+#: Top-level modules whose frames are never "the user's code": ours, the libraries we act through, and the
+#: machinery that runs imports and ``python -m``.
+_NOT_USER_CODE = frozenset(
+    {"diffusers_cudnn_fix", "diffusers", "torch", "wrapt", "importlib", "runpy", "contextlib", "functools"}
+)
 
 
 class DiffusersCudnnFixWarning(RuntimeWarning):
@@ -55,14 +71,53 @@ class UnsafeAttentionError(RuntimeError):
     """
 
 
-def report(message: str, category: type[DiffusersCudnnFixWarning], *, stacklevel: int = 2) -> None:
-    """Log ``message`` at WARNING and emit it as a warning of ``category``.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _is_user_frame(frame: FrameType) -> bool:
+    if frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        return False  # ours, also where it runs as __main__ (``python -m diffusers_cudnn_fix``)
+    name = frame.f_globals.get("__name__")
+    # The frozen import machinery (``<frozen importlib._bootstrap>``) runs with __name__ "importlib._bootstrap".
+    return not isinstance(name, str) or name.partition(".")[0] not in _NOT_USER_CODE
+
+
+def user_frame() -> FrameType | None:
+    """The innermost frame of the caller's stack that is the user's code, or None (a stack of ours and the
+    import machinery only: ``python -m diffusers_cudnn_fix``, or autograd's own thread)."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and not _is_user_frame(frame):
+        frame = frame.f_back
+    return frame
+
+
+def report(message: str, category: type[DiffusersCudnnFixWarning]) -> None:
+    """Log ``message`` at WARNING and emit it as a warning of ``category`` filed at the user's frame.
 
     Never raises, even when a filter turns the category into an error: the host's import must not break
     because of us (a user who wants a hard stop uses the strict switches, which raise on purpose).
     """
     logger.warning(message)
+    frame = user_frame()
     try:
-        warnings.warn(message, category, stacklevel=stacklevel + 1)
+        if frame is None:
+            warnings.warn(message, category, stacklevel=2)
+        else:
+            # What warnings.warn does for a frame (its source line read by file name, as warn does).
+            warnings.warn_explicit(
+                message,
+                category,
+                frame.f_code.co_filename,
+                frame.f_lineno,
+                module=frame.f_globals.get("__name__"),
+                registry=frame.f_globals.setdefault("__warningregistry__", {}),
+            )
     except Warning:
         pass  # an "error" filter turned the warning into an exception; it is logged above
+    except Exception:  # noqa: BLE001 - a broken warnings setup must not break the host's import
+        try:
+            warnings.warn(message, category, stacklevel=2)
+        except Exception:  # noqa: BLE001, S110 - logged above
+            pass
+    finally:
+        del frame  # no reference cycle through the caller's frames

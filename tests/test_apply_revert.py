@@ -258,3 +258,49 @@ def test_replacements_trace_under_torch_compile_fullgraph(dispatch_module: types
             assert torch.equal(a, b)
     finally:
         torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What the queries take
+# ------------------------------------------------------------------------------------------------------------
+def test_the_query_targets_are_the_fixes_targets() -> None:
+    """``diffusers_cudnn_fix.TARGETS`` (kept apart from the fixes so that the queries need no torch) is
+    exactly what the fixes may replace."""
+    from diffusers_cudnn_fix.fixes import ALL_FIXES
+
+    assert sorted(diffusers_cudnn_fix.TARGETS) == sorted({t for fix in ALL_FIXES for t in fix.targets})
+
+
+def test_queries_take_the_readmes_forms_and_refuse_anything_else(patched: types.ModuleType) -> None:
+    for name in TARGETS:
+        dotted = f"diffusers.models.attention_dispatch.{name}"
+        assert diffusers_cudnn_fix.is_patched(dotted) is True
+        assert diffusers_cudnn_fix.get_original(dotted) is diffusers_cudnn_fix.get_original(name)
+    assert diffusers_cudnn_fix.get_original("_cudnn_attention_backward_op") is not None
+    shipped_function = diffusers_cudnn_fix.get_original("_cudnn_attention_backward_op")
+    for bad in (
+        "_cudnn_attention_backwards_op",  # a typo
+        "cudnn_backward_kv",  # a fix id, not a target
+        "diffusers.models.attention_dispatch.banana",
+        "attention_dispatch._cudnn_attention_backward_op",  # half a dotted name
+        shipped_function,  # the function object itself
+        None,
+    ):
+        for query in (diffusers_cudnn_fix.is_patched, diffusers_cudnn_fix.get_original):
+            with pytest.raises(ValueError, match=r"_cudnn_attention_backward_op.*TemplatedRingAttention\.backward"):
+                query(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("device", ["banana", "cpu", "meta", "cuda:banana", 1.5])
+def test_probe_refuses_what_is_no_cuda_device(device: object) -> None:
+    with pytest.raises(ValueError, match="CUDA"):
+        diffusers_cudnn_fix.probe(device)
+
+
+def test_probe_on_a_machine_without_cuda_says_why() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: tests/test_gpu.py probes it")
+    for device in (None, "cuda", "cuda:0", 0, torch.device("cuda", 0)):
+        result = diffusers_cudnn_fix.probe(device)
+        assert result.state == "skipped" and "CUDA" in result.reason, (device, result)

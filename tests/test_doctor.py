@@ -45,6 +45,7 @@ def go(*args):
 
 
 result = {"text": go("--no-gpu"), "verbose": go("--no-gpu", "--verbose"), "json": go("--no-gpu", "--json")}
+result["json_probe"] = go("--json")  # the GPU probe asked for (on a CPU: skipped, with its reason)
 """
 
 # 0.39.0 only: the table the doctor prints on a GPU, with a row that raises the package's real fp32 error
@@ -176,8 +177,34 @@ def test_the_can_be_removed_advice_where_it_applies() -> None:
     assert len(advice) == 1, text
     for guard in data["active_guards"]:
         assert guard in advice[0], advice[0]
-    assert text.index(advice[0]) < text.index(_fix_table(text)[0])  # with the next step, before the table
+    # One decision, said first: remove it, or keep the guards active everywhere (how, in the same paragraph);
+    # not a "NEXT STEP: make them active" followed by "Can be removed".
+    assert text.startswith(advice[0]), text
+    assert "NEXT STEP" not in text and "needs the guards" not in text, text
+    assert "import diffusers_cudnn_fix" in advice[0] and "diffusers-cudnn-fix run --" in advice[0], advice[0]
     assert_aligned(_fix_table(text))
+
+
+@SHARES_0_39_0
+def test_the_doctor_names_the_package_version() -> None:
+    """In its text (next to the other versions) and in --json; and `--version` says it and exits 0."""
+    from diffusers_cudnn_fix import __version__
+
+    result = doctor("0.39.0")
+    data = json.loads(result["json"]["text"])
+    assert data["version"] == __version__
+    lines = result["text"]["text"].splitlines()
+    versions_line = next(line for line in lines if line.startswith("diffusers_cudnn_fix "))
+    assert versions_line.startswith(f"diffusers_cudnn_fix {__version__}, diffusers 0.39.0, torch "), versions_line
+    probed = json.loads(result["json_probe"]["text"])
+    if probed["probe"]["state"] == "skipped":  # no GPU here: no table (not a header without rows)
+        assert probed["probe_table"] is None, probed["probe_table"]
+    else:
+        assert len(probed["probe_table"].splitlines()) > 2, probed["probe_table"]
+    for args in (["--version"], ["doctor", "--version"]):
+        proc = _doctor_process(None, *args)
+        assert proc.returncode == 0, (proc.returncode, proc.stderr)
+        assert proc.stdout == f"diffusers-cudnn-fix {__version__}\n", proc.stdout
 
 
 @SHARES_0_39_0

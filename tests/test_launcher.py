@@ -13,17 +13,22 @@ Python process COMMAND starts, without the script importing it.
   folder is not left on ``sys.path``; the package's import rules hold (no torch, one thread); an
   interpreter without the package runs on with one line on stderr; a missing command, a command that
   cannot be run and a usage error get their own exit statuses.
-* The wheel ships the start-up hook and the licence.
+* Packaging: the release command (``.ci/release``) builds the sdist and its wheel, passes ``twine check
+  --strict`` and builds the same bytes twice; the sdist carries every path the README names; the wheel
+  ships the start-up hook, the licence, ``py.typed`` and its metadata, and installs from a direct reference.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import venv
 import zipfile
 from pathlib import Path
@@ -242,19 +247,85 @@ def test_torchrun_through_the_launcher_trains_right_and_without_it_does_not(tmp_
 # ------------------------------------------------------------------------------------------------------------
 # Packaging
 # ------------------------------------------------------------------------------------------------------------
-def test_the_wheel_ships_the_start_up_hook_and_the_licence(tmp_path: Path) -> None:
+#: Paths the README names in backticks (docs, tests, benchmarks and their results, CI's entry points).
+README_PATH = re.compile(r"`((?:docs|tests|benchmarks|results|\.ci)/[^`*<> ]*[^`*<> /.])`")
+IGNORE_IN_COPY = shutil.ignore_patterns(
+    ".git", ".venv", ".cache", ".whl", "__pycache__", "build", "dist", "*.egg-info", ".pytest_cache", ".hypothesis"
+)
+
+
+def _pip(*args: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _have(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+def _release(src: Path, out: Path) -> dict[str, str]:
+    """`bash .ci/release OUT` in the copy ``src``: the files it made and their sha256."""
+    env = _clean_env(PYTHON=sys.executable, SOURCE_DATE_EPOCH="1796300000")  # the copy has no .git
+    proc = subprocess.run(
+        ["bash", str(src / ".ci" / "release"), str(out)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert proc.stdout.count("PASSED") == 2, proc.stdout  # twine check --strict, sdist and wheel
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.iterdir())}
+
+
+def _build_without_build(src: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """What `python -m build --no-isolation` does, with setuptools and pip only: the sdist, then the wheel
+    from the unpacked sdist."""
+    sdist_dir, wheel_dir = tmp_path / "sdist", tmp_path / "dist"
+    build_sdist = f"from setuptools import build_meta; print(build_meta.build_sdist({str(sdist_dir)!r}))"
+    proc = subprocess.run([sys.executable, "-c", build_sdist], capture_output=True, text=True, cwd=src, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    sdist = sdist_dir / proc.stdout.split()[-1]
+    with tarfile.open(sdist) as tf:
+        tf.extractall(tmp_path / "from-sdist", filter="data")
+    (unpacked,) = (tmp_path / "from-sdist").iterdir()
+    _pip("wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(wheel_dir), str(unpacked))
+    (wheel,) = wheel_dir.glob("*.whl")
+    return sdist, wheel
+
+
+def test_the_release_files_ship_what_the_readme_names_and_install_as_it_says(tmp_path: Path) -> None:
+    """The release command (`bash .ci/release DIR`) builds the sdist and its wheel, passes `twine check
+    --strict`, and builds the same bytes a second time. The sdist carries every path the README names; the
+    wheel carries the start-up hook, the licence, py.typed and the metadata, and installs from the README's
+    direct reference (`diffusers-cudnn-fix @ file:///...`), after which `--version` names it. Where `build`
+    or `twine` is missing, the same files are built with setuptools and pip (no twine check, one build)."""
     setuptools = pytest.importorskip("setuptools")
     if int(setuptools.__version__.split(".")[0]) < 77:
         pytest.skip(f"setuptools {setuptools.__version__} here; the build needs >= 77 (PEP 639 licence fields)")
+    import diffusers_cudnn_fix
+
+    version = diffusers_cudnn_fix.__version__
     src = tmp_path / "src"
-    package = ROOT / "diffusers_cudnn_fix"
-    shutil.copytree(package, src / package.name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy(ROOT / name, src / name)
-    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index"]
-    proc = subprocess.run([*build, "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr
-    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    shutil.copytree(ROOT, src, ignore=IGNORE_IN_COPY)
+    expected = [f"diffusers_cudnn_fix-{version}-py3-none-any.whl", f"diffusers_cudnn_fix-{version}.tar.gz"]
+    if _have("build") and _have("twine"):
+        first = _release(src, tmp_path / "a")
+        assert sorted(first) == expected, first
+        os.utime(src / "README.md")  # a file touched between the builds changes nothing
+        assert _release(src, tmp_path / "b") == first  # reproducible
+        sdist, wheel = (tmp_path / "a" / expected[1]), (tmp_path / "a" / expected[0])
+    else:
+        sdist, wheel = _build_without_build(src, tmp_path)
+        assert [wheel.name, sdist.name] == expected
+
+    with tarfile.open(sdist) as tf:
+        in_sdist = {name.partition("/")[2] for name in tf.getnames()}
+    named = sorted(set(README_PATH.findall((ROOT / "README.md").read_text())))
+    assert "docs/behaviour.md" in named and any(n.startswith("benchmarks/results/") for n in named), named
+    missing = [n for n in named if n not in in_sdist]
+    assert not missing, f"the README names paths the sdist lacks: {missing}"
+
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         hook = zf.read("diffusers_cudnn_fix/site-bootstrap/sitecustomize.py")
@@ -263,8 +334,41 @@ def test_the_wheel_ships_the_start_up_hook_and_the_licence(tmp_path: Path) -> No
         entry_points = zf.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
     assert hook == (_launcher.BOOTSTRAP_DIR / "sitecustomize.py").read_bytes()
     assert [n for n in names if "site-bootstrap" in n] == ["diffusers_cudnn_fix/site-bootstrap/sitecustomize.py"]
+    assert "diffusers_cudnn_fix/py.typed" in names
     assert "Apache License" in licence and "Version 2.0, January 2004" in licence and "END OF TERMS" in licence
     assert "License-Expression: Apache-2.0" in metadata
-    for version in ("3.10", "3.11", "3.12", "3.13"):
-        assert f"Classifier: Programming Language :: Python :: {version}" in metadata
+    assert f"\nVersion: {version}\n" in metadata
+    assert "Classifier: Development Status :: " in metadata and "Classifier: Typing :: Typed" in metadata
+    for py in ("3.10", "3.11", "3.12", "3.13"):
+        assert f"Classifier: Programming Language :: Python :: {py}" in metadata
+    assert "Description-Content-Type: text/markdown" in metadata
     assert "diffusers-cudnn-fix = diffusers_cudnn_fix.__main__:main" in entry_points
+
+    # Installed as the README says: a direct reference in a requirements file.
+    target = tmp_path / "site"
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text(f"diffusers-cudnn-fix @ {wheel.resolve().as_uri()}\n")
+    _pip("install", "-q", "--no-deps", "--no-index", "--target", str(target), "-r", str(requirements))
+    env = _clean_env(PYTHONPATH=str(target))
+    code = "import diffusers_cudnn_fix as d, sys; print(d.__file__); sys.argv = ['x', '--version']; " + (
+        "from diffusers_cudnn_fix.__main__ import main; main()"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    where, said = proc.stdout.splitlines()
+    assert Path(where).is_relative_to(target), where
+    assert said == f"diffusers-cudnn-fix {version}"
+
+
+def test_pytest_runs_where_pytest_xdist_is_not_installed(tmp_path: Path) -> None:
+    """The configured options (pyproject.toml's addopts) need no plugin: `python -m pytest` where xdist is
+    absent (here: disabled) collects instead of stopping with "unrecognized arguments"."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "--co", "tests/test_structure.py"],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        env=_clean_env(),
+        timeout=120,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])

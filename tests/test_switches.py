@@ -317,9 +317,32 @@ def test_switched_off_on_an_affected_release_is_not_safe() -> None:
 
 
 def test_the_doctor_exits_1_when_switched_off_on_an_affected_release() -> None:
-    proc = _doctor("0.39.0", {"DIFFUSERS_CUDNN_FIX": "0"}, "--no-gpu")
+    """...and quotes the switch as the user spelled it, not as "=0"."""
+    proc = _doctor("0.39.0", {"DIFFUSERS_CUDNN_FIX": "OFF"}, "--no-gpu")
     assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
     assert "NOT SAFE" in proc.stdout and "switched off" in proc.stdout.lower(), proc.stdout
+    assert "DIFFUSERS_CUDNN_FIX='OFF'" in proc.stdout and "DIFFUSERS_CUDNN_FIX=0" not in proc.stdout, proc.stdout
+
+
+def test_the_readme_and_help_list_every_spelling_the_switch_takes() -> None:
+    """Every spelling the master switch accepts is documented: the README's switch table, the doctor's help
+    and docs/behaviour.md."""
+    from diffusers_cudnn_fix import _switches
+
+    readme_row = next(
+        line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `DIFFUSERS_CUDNN_FIX` |")
+    )
+    behaviour_row = next(
+        line
+        for line in (ROOT / "docs" / "behaviour.md").read_text().splitlines()
+        if line.startswith("| `DIFFUSERS_CUDNN_FIX` |")
+    )
+    help_text = _doctor("0.35.2", {}, "--help").stdout
+    # The help's entry for the switch: its line and the continuation lines under it.
+    help_line = help_text[help_text.index("DIFFUSERS_CUDNN_FIX=") : help_text.index("DIFFUSERS_CUDNN_FIX_SKIP=")]
+    for spelling in _switches._ON_OFF:
+        for where, text in (("README", readme_row), ("docs/behaviour.md", behaviour_row), ("--help", help_line)):
+            assert re.search(rf"(?<![\w-]){re.escape(spelling)}(?![\w-])", text), f"{spelling!r} not in {where}: {text}"
 
 
 def test_switched_off_where_there_is_nothing_to_fix_is_ok() -> None:
@@ -347,6 +370,9 @@ with warnings.catch_warnings(record=True) as seen:
         ("is_patched", lambda: d.is_patched("_cudnn_attention_backward_op")),
         ("get_original", lambda: d.get_original("_cudnn_attention_backward_op")),
         ("is_patched_class_attr", lambda: d.is_patched("TemplatedRingAttention.backward")),
+        ("is_patched_dotted", lambda: d.is_patched("diffusers.models.attention_dispatch._cudnn_attention_backward_op")),
+        ("is_patched_typo", lambda: d.is_patched("_cudnn_attention_backwards_op")),
+        ("get_original_typo", lambda: d.get_original("banana")),
     ):
         try:
             value = call()
@@ -379,12 +405,70 @@ def test_status_revert_and_queries_work_without_torch(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.splitlines()[-1])
     calls = result["calls"]
+    # A target the package does not know is refused (no torch needed to say so), naming the known ones.
+    for name in ("is_patched_typo", "get_original_typo"):
+        refused = calls.pop(name)
+        assert not refused["ok"] and refused["value"].startswith("ValueError"), refused
+        assert "_cudnn_attention_backward_op" in refused["value"], refused
     failed = {k: v["value"] for k, v in calls.items() if not v["ok"]}
     assert not failed, failed
     assert calls["is_patched"]["value"] is False and calls["is_patched_class_attr"]["value"] is False
+    assert calls["is_patched_dotted"]["value"] is False
     assert calls["get_original"]["value"] == "None"
     status = calls["status"]["value"]
     assert status["dict"]["fixes"] == []  # lists no fix
     missing = r"torch\W[^\n]*(missing|not installed|cannot be imported|not found|unavailable)"
     assert re.search(missing, status["text"], re.I), status["text"]
     assert result["torch_loaded"] is False
+
+
+# --------------------------------------------------------------------------------------------------
+# Said once, at the user's line
+# --------------------------------------------------------------------------------------------------
+# A user's training script: the package first, then diffusers (line 6). With a handler of the user's own on
+# the root logger when asked: it still receives the package's records.
+USER_SCRIPT = """\
+import logging, sys
+records = []
+if "--handler" in sys.argv:
+    logging.getLogger().addHandler(type("Keep", (logging.Handler,), {"emit": lambda self, r: records.append(r)})())
+import diffusers_cudnn_fix
+import diffusers.models.attention_dispatch
+print("records", len(records))
+"""
+USER_LINE = 6
+ONE_MESSAGE_ENV = {"DIFFUSERS_CUDNN_FIX_MASK": "banana", "DIFFUSERS_CUDNN_FIX_SKIP": "cudnn_backward_kv"}
+EVENTS = {"SwitchValueWarning": "DIFFUSERS_CUDNN_FIX_MASK='banana'", "FixNotAppliedWarning": "'cudnn_backward_kv'"}
+
+
+def _said(stderr: str, needle: str) -> list[str]:
+    return [line for line in stderr.splitlines() if needle in line]
+
+
+@pytest.mark.parametrize("how", ["script", "script with a logging handler", "launcher", "doctor"])
+def test_each_problem_is_said_once_at_the_users_line(how: str, tmp_path: Path) -> None:
+    """A bad switch value and a skipped broken fix: one line on stderr each, per process, filed at the line of
+    the user's script that imported diffusers (not the package's own code); through the launcher too (its
+    own interpreter says nothing); the doctor, which is the user's code there, says each once as its own."""
+    script = tmp_path / "train.py"
+    script.write_text(USER_SCRIPT)
+    command = {
+        "script": [sys.executable, str(script)],
+        "script with a logging handler": [sys.executable, str(script), "--handler"],
+        "launcher": [sys.executable, "-m", "diffusers_cudnn_fix", "run", "--", sys.executable, str(script)],
+        "doctor": [sys.executable, "-m", "diffusers_cudnn_fix", "--no-gpu"],
+    }[how]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "DIFFUSERS_CUDNN_FIX"))}
+    env.update(ONE_MESSAGE_ENV, PYTHONPATH=os.pathsep.join([str(release_dir("0.39.0")), str(ROOT)]))
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+    assert proc.returncode in (0, 1), (proc.returncode, proc.stderr)
+    for category, needle in EVENTS.items():
+        lines = _said(proc.stderr, needle)
+        assert len(lines) == 1, f"{category} said {len(lines)} times:\n{proc.stderr}"
+        if how == "doctor":
+            assert lines[0].startswith(f"diffusers-cudnn-fix: {category}: "), lines[0]
+        else:
+            assert lines[0].startswith(f"{script}:{USER_LINE}: {category}: "), lines[0]
+    assert "diffusers_cudnn_fix/" not in proc.stderr, proc.stderr  # no line of ours is shown
+    if how == "script with a logging handler":
+        assert "records 2" in proc.stdout, proc.stdout  # the user's handler got both records
