@@ -187,6 +187,7 @@ def _needs(report_fixes: list[dict[str, Any]], live: dict[str, Any]) -> dict[str
     from .fixes import ALL_FIXES
 
     kinds = {fix.id: fix.kind for fix in ALL_FIXES}
+    only_for = {fix.id: fix.only_for for fix in ALL_FIXES if fix.only_for}
     shipped = {}
     for f in report_fixes:
         state = f["detected"]
@@ -198,9 +199,11 @@ def _needs(report_fixes: list[dict[str, Any]], live: dict[str, Any]) -> dict[str
     return {
         "shipped_check": shipped,
         "nothing_to_fix": bool(shipped) and not applied and all(s in quiet for s in shipped.values()),
+        # Corrections that matter only to some runs (only_for) do not count here; they are named as the condition.
         "no_gradient_correction_needed": bool(shipped)
-        and all(s in quiet for i, s in shipped.items() if kinds.get(i) == "correction"),
+        and all(s in quiet for i, s in shipped.items() if kinds.get(i) == "correction" and i not in only_for),
         "active_guards": [i for i in applied if kinds.get(i) == "guard"],
+        "needed_only_for": {i: only_for[i] for i in applied if i in only_for},
         "applied": applied,
     }
 
@@ -305,7 +308,8 @@ def _next_step(data: dict[str, Any]) -> list[str]:
             f"Nothing to fix here: diffusers {version} needs none of this package's fixes. You do not need it;",
             "imported anyway, it changes nothing.",
         ]
-    what = "the guards below" if data["no_gradient_correction_needed"] else "the fixes below"
+    guards_only = data["no_gradient_correction_needed"] and not data.get("needed_only_for")
+    what = "the guards below" if guards_only else "the fixes below"
     lines = [
         f"NEXT STEP: diffusers {version} needs {what}. The doctor applied them in its own process only;",
         "make them active in every process of your training run, either way:",
@@ -317,12 +321,20 @@ def _next_step(data: dict[str, Any]) -> list[str]:
     ]
     if data["no_gradient_correction_needed"]:
         guards = ", ".join(data["active_guards"])
+        conditional = data.get("needed_only_for", {})
+        needs = (
+            "needs no gradient correction except "
+            + ", ".join(f"{i}, which matters only to {runs}" for i, runs in conditional.items())
+            + ". If you train with none of those,"
+            if conditional
+            else "needs none of the gradient corrections:"
+        )
         lines.append("")
         lines.append(
             _wrap(
-                f"Can be removed: diffusers {version} needs none of the gradient corrections. The package only "
-                f"guards here ({guards}; what each guards against is in the table below): if your training can "
-                "meet none of those cases, you can remove it.",
+                f"Can be removed: diffusers {version} {needs} the package only guards here ({guards}; what each "
+                "guards against is in the table below), and if your training can meet none of those cases, you "
+                "can remove it.",
                 "",
             )
         )
