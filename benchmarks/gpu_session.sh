@@ -6,7 +6,9 @@
 #   bash benchmarks/gpu_session.sh import  # bench_import.py and hook_phases.py on that machine's CPU
 #   bash benchmarks/gpu_session.sh references  # tests/test_references.py under that machine's Python
 #   bash benchmarks/gpu_session.sh hook-ab  # the hook only, this package against .base, more runs
-#   bash benchmarks/gpu_session.sh trust    # launch matrix + GPU tests, random cases, mask/ops benchmark,
+#   bash benchmarks/gpu_session.sh trust    # launch matrix + GPU tests (all of tests/test_gpu.py: ring at
+#                                           # degrees 2-4 on 0.36.0, 0.39.0, 0.40.0, 0.42.1 included),
+#                                           # random cases, mask/ops benchmark,
 #                                           # the bare kernels' masked rows: 9 files in $OUT (each step under
 #                                           # its own time limit)
 set -uo pipefail
