@@ -49,8 +49,9 @@ RING_RELEASES = ("0.36.0", *MATRIX)
 UNIFIED_WITH = MATRIX
 UNIFIED_WITHOUT = ("0.37.0", "0.37.1", "0.38.0", "0.39.0")
 UNIFIED = "unified"
-#: Ring degree 4 (4 ranks, jobs of their own, key ``"ring4"``): 0.40.0 and 0.41.0 with the package (0.42.x's
-#: ring, the same code, runs in one process in tests/test_guards.py); without it on 0.40.0 (the control).
+#: Ring degree 4 (4 ranks): 0.40.0 and 0.41.0 with the package, as a second case of the 4-rank unified job
+#: (its ranks are up already: no extra job); without it on 0.40.0 (the control), in a 4-rank job of its own
+#: (key ``"ring4"``). 0.42.x's ring, the same code, runs in one process in tests/test_guards.py.
 RING4 = "ring4"
 RING4_WITH = ("0.40.0", "0.41.0")
 RING4_WITHOUT = ("0.40.0",)
@@ -121,10 +122,15 @@ def _launch_args(key: JobKey) -> dict:
     """``scenario_cp_training.launch``'s arguments for the job ``key``."""
     version, package, mask = key
     if mask == UNIFIED:
-        return {"package": package, "modes": (UNIFIED,), "world_size": 4}
+        return {"package": package, "modes": (UNIFIED, *_ring4_with(version, package)), "world_size": 4}
     if mask == RING4:
         return {"package": package, "modes": (RING4,), "world_size": 4}
     return {"package": package, "modes": cases(version, package, mask), "mask_switch": mask}
+
+
+def _ring4_with(version: str, package: bool) -> tuple[str, ...]:
+    """The ring-degree-4 case where it rides along in the unified job (with the package)."""
+    return (RING4,) if package and version in RING4_WITH else ()
 
 
 def _cached_run(key: JobKey) -> dict:
@@ -170,7 +176,7 @@ def _reads(test: str, params: dict) -> list[JobKey]:
     if test == "test_unified_training_step":
         return [(version, params["package"], UNIFIED)]
     if test == "test_ring_degree_4_training_step":
-        return [(version, params["package"], RING4)]
+        return [(version, params["package"], UNIFIED if params["package"] else RING4)]
     if test == "test_qwen_padded_prompts_warn_is_far_off":
         return [(version, True, "warn")]
     if test == "test_qwen_padded_prompts_without_package":
@@ -452,7 +458,7 @@ def test_unified_training_step(version: str, package: bool, record_property) -> 
 def test_ring_degree_4_training_step(version: str, package: bool, record_property) -> None:
     """With the package (``ring_grad_route``: its corrected ring on diffusers' own ops): correct, the installed
     ring forward's inference output exactly the shipped one's. Without it: runs silently, wrong (the control)."""
-    result = _cached_run((version, package, RING4))
+    result = unified_job(version, True) if package else _cached_run((version, False, RING4))
     _check_job(version, package, None, result)
     record_property("job_wall_s", result["wall_s"])
     entries = modes(result, RING4)
