@@ -6,11 +6,13 @@
 #   bash benchmarks/gpu_session.sh import  # bench_import.py and hook_phases.py on that machine's CPU
 #   bash benchmarks/gpu_session.sh references  # tests/test_references.py under that machine's Python
 #   bash benchmarks/gpu_session.sh hook-ab  # the hook only, this package against .base, more runs
-#   bash benchmarks/gpu_session.sh trust    # the doctor on 0.39.0 and 0.42.1, launch matrix + GPU tests,
-#                                           # random cases, mask/ops benchmark, the bare kernels' masked rows:
-#                                           # 11 files in $OUT (each step under its own time limit; DCF_STEPS
-#                                           # picks steps, default all five: "doctor tests random bench
-#                                           # dead_rows", for a device call's 10 minutes)
+#   bash benchmarks/gpu_session.sh trust    # the doctor on 0.39.0 and 0.42.1, launch matrix + GPU tests
+#                                           # (tests/test_gpu.py, ring at degrees 2-4 on 0.36.0, 0.39.0,
+#                                           # 0.40.0, 0.42.1 included; tests/test_gpu_compile.py), random
+#                                           # cases, mask/ops benchmark, the bare kernels' masked rows: 11 files
+#                                           # in $OUT (each step under its own time limit; DCF_STEPS picks
+#                                           # steps, default all five: "doctor tests random bench dead_rows",
+#                                           # for a device call's 10 minutes)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}

@@ -194,6 +194,7 @@ def _needs(report_fixes: list[dict[str, Any]], live: dict[str, Any]) -> dict[str
     from .fixes import ALL_FIXES
 
     kinds = {fix.id: fix.kind for fix in ALL_FIXES}
+    only_for = {fix.id: fix.only_for for fix in ALL_FIXES if fix.only_for}
     shipped = {}
     for f in report_fixes:
         state = f["detected"]
@@ -205,9 +206,11 @@ def _needs(report_fixes: list[dict[str, Any]], live: dict[str, Any]) -> dict[str
     return {
         "shipped_check": shipped,
         "nothing_to_fix": bool(shipped) and not applied and all(s in quiet for s in shipped.values()),
+        # Corrections that matter only to some runs (only_for) do not count here; they are named as the condition.
         "no_gradient_correction_needed": bool(shipped)
-        and all(s in quiet for i, s in shipped.items() if kinds.get(i) == "correction"),
+        and all(s in quiet for i, s in shipped.items() if kinds.get(i) == "correction" and i not in only_for),
         "active_guards": [i for i in applied if kinds.get(i) == "guard"],
+        "needed_only_for": {i: only_for[i] for i in applied if i in only_for},
         "applied": applied,
     }
 
@@ -323,9 +326,11 @@ def _next_step(data: dict[str, Any]) -> list[str]:
     if data["no_gradient_correction_needed"]:
         # One decision, not two instructions: remove it, or keep the guards active everywhere.
         guards = ", ".join(data["active_guards"])
+        conditional = data.get("needed_only_for", {})
+        needs = "".join(f" except {i}, which matters only to {runs}" for i, runs in conditional.items())
         return [
             _wrap(
-                f"Can be removed: diffusers {version} needs none of the gradient corrections. The package only "
+                f"Can be removed: diffusers {version} needs no gradient correction{needs}. The package only "
                 f"guards here ({guards}; what each guards against is in the table below). If your training can "
                 "meet none of those cases, remove it. To keep the guards instead, make them active in every "
                 "process of your training run (the doctor applied them in its own process only), either way:",

@@ -43,6 +43,9 @@ class Fix:
         kind: ``"correction"`` (makes wrong gradients right) or ``"guard"`` (stops, warns or converts where
             diffusers would compute wrong results and no correction is offered).
         note: optional; a few words on the fix's live settings for the report (a mode, say).
+        only_for: for a correction that matters only to some context-parallel runs, those runs in a few
+            words (``"ring_degree >= 3"``): where it is the only correction needed, the doctor and the log
+            still say the package can be removed, for every other run.
         old_ids: ids this fix had in earlier versions, still accepted by ``DIFFUSERS_CUDNN_FIX_SKIP``.
     """
 
@@ -55,6 +58,7 @@ class Fix:
     build: Callable[[Lookup], Mapping[str, Any]]
     kind: Literal["correction", "guard"] = "correction"
     note: Callable[[], str] | None = None
+    only_for: str = ""
     old_ids: tuple[str, ...] = ()
 
 

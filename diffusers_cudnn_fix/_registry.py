@@ -318,14 +318,18 @@ def _announce(newly: list[str]) -> None:
     if not _state.announced:
         corrections = [f for f in _fixes() if f.kind == "correction"]
         states = {f.id: _state.records[f.id].finding.state for f in corrections if f.id in _state.records}
-        if len(states) == len(corrections) and set(states.values()) <= {"ok", "absent"}:
+        # A correction that matters only to some runs (only_for) is named as the condition instead.
+        conditional = {f.id: f.only_for for f in corrections if f.only_for and states.get(f.id) == "broken"}
+        rest = {i: s for i, s in states.items() if i not in conditional}
+        if len(states) == len(corrections) and set(rest.values()) <= {"ok", "absent"}:
             module = _state.module
             guards = [f.id for f in _fixes() if f.kind == "guard" and module is not None and _applied(module, f)]
             logger.info(
                 "diffusers_cudnn_fix: diffusers %s needs none of the gradient corrections (%s); the package can be "
-                "removed for them.%s",
+                "removed for them.%s%s",
                 version,
-                ", ".join(states),
+                ", ".join(rest),
+                "".join(f" {i} is needed for {runs} only." for i, runs in conditional.items()),
                 f" Guards still active: {', '.join(guards)}." if guards else "",
             )
     _state.announced = True

@@ -64,6 +64,9 @@ CASES = {
     "ring": ("flux", "ring"),
     "qwen_ulysses": ("qwen", "ulysses"),
     "unified": ("flux", "unified"),
+    # Ring degree 4 (4 ranks, jobs of its own): diffusers 0.40+'s own ring backward routes K/V gradients wrong
+    # from degree 3 (ring_grad_route).
+    "ring4": ("flux", "ring4"),
 }
 MODES = ("ulysses", "ring", "qwen_ulysses")
 #: The degrees of each context-parallel mode (their product is the world size the mode needs).
@@ -71,6 +74,7 @@ DEGREES = {
     "ulysses": {"ulysses_degree": 2},
     "ring": {"ring_degree": 2},
     "unified": {"ulysses_degree": 2, "ring_degree": 2},
+    "ring4": {"ring_degree": 4},
 }
 #: With the package, even ranks import it before diffusers and odd ranks after: both import orders in one
 #: job. Each rank patches on its own, and one wrongly patched rank spoils the all-reduced gradients.

@@ -10,7 +10,7 @@ With the package imported first, on the CUDA device:
 * a bool mask with masked columns and one fully masked row (B=1 S=64 H=2 D=64) through the cuDNN CP op in
   each mask mode, and converted with -65504 (F.sdpa's own fill) for comparison, against fp32
   ``F.scaled_dot_product_attention`` on the math backend with the bool mask;
-* ``TemplatedRingAttention`` with 2 and 3 ring chunks on the one GPU (``scenario_ring``: a thread per ring
+* ``TemplatedRingAttention`` with 2, 3 and 4 ring chunks on the one GPU (``scenario_ring``: a thread per ring
   rank), as installed and, where the package replaced it, as shipped.
 
 Prints one JSON line.
@@ -241,10 +241,16 @@ def one_key_masked_rows() -> dict[str, Any]:
     return results
 
 
+#: Ring degrees run on the GPU: 2, and 3 and 4, where diffusers 0.40+'s own route goes wrong (ring_grad_route).
+RING_WORLDS = (2, 3, 4)
+
+
 def ring_chunks() -> dict[str, Any]:
-    """``TemplatedRingAttention`` with 2 and 3 ring chunks on this one GPU (one thread per ring rank,
+    """``TemplatedRingAttention`` with 2, 3 and 4 ring chunks on this one GPU (one thread per ring rank,
     ``scenario_ring``), cuDNN and flash ops, as installed (corrected where the package replaced the ring) and,
-    where it did, diffusers' own ring forward/backward with the same ops (the control)."""
+    where it did, diffusers' own ring forward/backward with the same ops (the control). Each case is also
+    judged by the probe's rule (``rule_passed``: every max-abs error within 5x that of the same attention
+    computed eagerly in bf16, + 1e-3, against fp32)."""
     import scenario_ring
 
     diffusers_cudnn_fix.apply()
@@ -253,20 +259,39 @@ def ring_chunks() -> dict[str, Any]:
         for name in ("forward", "backward")
         if diffusers_cudnn_fix.is_patched(f"TemplatedRingAttention.{name}")
     }
+
+    def judged(result: dict[str, Any]) -> dict[str, Any]:
+        if "abs_errors" in result:
+            result["rule_passed"] = all(
+                probe.within_rule(result["abs_errors"][n], result["bf16_errors"][n]) for n in NAMES
+            )
+        return result
+
     results: dict[str, Any] = {}
     for backend, (_, backward_name) in scenario_ring.BACKEND_OPS.items():
         if backend == "native" or not hasattr(module, backward_name):
             continue
-        for world in (2, 3):
-            results[f"{backend}/world={world}"] = scenario_ring.run(module, backend, world, device="cuda")
+        for world in RING_WORLDS:
+            results[f"{backend}/world={world}"] = judged(
+                scenario_ring.run(module, backend, world, device="cuda", bf16_yardstick=True)
+            )
             if shipped:
-                # diffusers' own ring as it shipped: the corrected forward/backward (<= 0.39) or the guarded
-                # backward (0.40+) replaced by the originals.
+                # diffusers' own ring as it shipped: the package's corrected forward/backward (<= 0.39, and
+                # ring_grad_route's on 0.40+) replaced by the originals.
                 control = {f"ring_{name}": function for name, function in shipped.items()}
-                results[f"{backend}/world={world}/shipped ring"] = scenario_ring.run(
-                    module, backend, world, device="cuda", **control
+                results[f"{backend}/world={world}/shipped ring"] = judged(
+                    scenario_ring.run(module, backend, world, device="cuda", bf16_yardstick=True, **control)
                 )
     return {"ring_patched": "forward" in shipped, "ring_replaced": sorted(shipped), "cases": results}
+
+
+def main_ring() -> None:
+    """Only ``ring_chunks`` (the releases the GPU tests run in full have it in ``main``), one JSON line."""
+    import diffusers
+
+    result = {"version": diffusers.__version__, "ring_chunks": ring_chunks()}
+    print(json.dumps(result, default=str))
+    os._exit(0)
 
 
 def main() -> None:

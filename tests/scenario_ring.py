@@ -84,13 +84,22 @@ def with_funcol(fn: Any, collectives: Any) -> Any:
     return types.FunctionType(fn.__code__, {**fn.__globals__, "funcol": collectives}, fn.__name__, fn.__defaults__)
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor) -> list[torch.Tensor]:
-    """out, dq, dk, dv of fp32 attention over the whole sequence, (B, S, H, D)."""
-    q, k, v = (x.detach().float().requires_grad_() for x in (q, k, v))
+def _reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> list[torch.Tensor]:
+    """out, dq, dk, dv of attention over the whole sequence computed eagerly in ``dtype`` on ``device``,
+    (B, S, H, D), as fp32 on the CPU. fp32: the golden values; bf16: the low-precision yardstick of the
+    probe's rule."""
+    q, k, v = (x.detach().to(device=device, dtype=dtype).requires_grad_() for x in (q, k, v))
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
     out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), v)
-    out.backward(grad_out.float())
-    return [out.detach(), q.grad, k.grad, v.grad]
+    out.backward(grad_out.to(device=device, dtype=dtype))
+    return [t.float().cpu() for t in (out.detach(), q.grad, k.grad, v.grad)]
 
 
 def run(
@@ -108,11 +117,14 @@ def run(
     ring_forward: Any = None,
     ring_backward: Any = None,
     forward_op: Any = None,
+    bf16_yardstick: bool = False,
 ) -> dict[str, Any]:
     """Ring attention of ``world`` chunks through ``module.TemplatedRingAttention`` as installed (or through
     ``ring_forward`` / ``ring_backward`` / the attention ``forward_op`` given instead).
 
-    Returns ``{"status": "pass" | "wrong" | "raised", "errors": {...}, "error": text}``.
+    Returns ``{"status": "pass" | "wrong" | "raised", "errors": {...}, "error": text}``. With
+    ``bf16_yardstick``, also the max-abs errors (``abs_errors``) and those of the same attention computed
+    eagerly in bf16 on ``device`` (``bf16_errors``), for the probe's rule.
     """
     forward_name, backward_name = BACKEND_OPS[backend]
     forward_op = forward_op or getattr(module, forward_name)
@@ -160,11 +172,19 @@ def run(
         exc = failed[0] if failed else next(r for r in results if isinstance(r, BaseException))
         return {"status": "raised", "error": f"{type(exc).__name__}: {exc}", "raised": type(exc).__name__}
     got = [torch.cat([r[i] for r in results], dim=1).float() for i in range(4)]
-    errors = {}
-    for name, g, ref in zip(("out", "dq", "dk", "dv"), got, _reference(q, k, v, grad_out), strict=True):
+    names = ("out", "dq", "dk", "dv")
+    golden = _reference(q, k, v, grad_out)
+    errors, abs_errors = {}, {}
+    for name, g, ref in zip(names, got, golden, strict=True):
         diff = torch.nan_to_num((g - ref).abs(), nan=float("inf")).max().item()
+        abs_errors[name] = diff
         errors[name] = diff / ref.abs().max().item()
-    return {"status": "pass" if max(errors.values()) <= TOLERANCE else "wrong", "errors": errors}
+    result: dict[str, Any] = {"status": "pass" if max(errors.values()) <= TOLERANCE else "wrong", "errors": errors}
+    if bf16_yardstick:
+        low = _reference(q, k, v, grad_out, torch.bfloat16, device)
+        result["abs_errors"] = abs_errors
+        result["bf16_errors"] = {n: (x - ref).abs().max().item() for n, x, ref in zip(names, low, golden, strict=True)}
+    return result
 
 
 def main(package: bool, worlds: tuple[int, ...] = (2, 3, 4), backends: tuple[str, ...] = ("cudnn", "flash")) -> None:

@@ -21,7 +21,14 @@ TARGETS = (
 
 
 # docs/behaviour.md, "Fix ids": the gradient corrections, then the guards.
-CORRECTIONS = ("cudnn_forward_lse", "cudnn_backward_kv", "flash_backward_kv", "ulysses_grad_count", "ring_backward")
+CORRECTIONS = (
+    "cudnn_forward_lse",
+    "cudnn_backward_kv",
+    "flash_backward_kv",
+    "ulysses_grad_count",
+    "ring_backward",
+    "ring_grad_route",
+)
 GUARDS = (
     "cudnn_bool_mask",
     "cudnn_input_dtypes",
@@ -29,7 +36,6 @@ GUARDS = (
     "flash_input_alignment",
     "ulysses_mask_grad",
     "qwen_joint_mask_order",
-    "ring_grad_route",
 )
 
 

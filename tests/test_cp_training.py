@@ -49,6 +49,12 @@ RING_RELEASES = ("0.36.0", *MATRIX)
 UNIFIED_WITH = MATRIX
 UNIFIED_WITHOUT = ("0.37.0", "0.37.1", "0.38.0", "0.39.0")
 UNIFIED = "unified"
+#: Ring degree 4 (4 ranks): 0.40.0 and 0.41.0 with the package, as a second case of the 4-rank unified job
+#: (its ranks are up already: no extra job); without it on 0.40.0 (the control), in a 4-rank job of its own
+#: (key ``"ring4"``). 0.42.x's ring, the same code, runs in one process in tests/test_guards.py.
+RING4 = "ring4"
+RING4_WITH = ("0.40.0", "0.41.0")
+RING4_WITHOUT = ("0.40.0",)
 QWEN = "qwen_ulysses"  # the QwenImage case (padded prompts, Ulysses degree 2)
 ALL_CASES = (*MODES, QWEN)
 
@@ -80,6 +86,7 @@ LOSS_TOLERANCE = 0.01  # relative; measured 0.11% for every correct run
 ATTENTION_LAYERS = 2
 #: cuDNN forward / backward kernel calls per step and rank: ring runs one per ring step (degree 2).
 KERNEL_CALLS = {"ulysses": ATTENTION_LAYERS, "ring": 2 * ATTENTION_LAYERS, UNIFIED: 2 * ATTENTION_LAYERS, QWEN: 2}
+KERNEL_CALLS[RING4] = 4 * ATTENTION_LAYERS
 
 JOB_TIMEOUT_S = 300  # per job: the launcher gives a job's ranks 240 s, then terminates them
 #: One launcher per release runs every job of that release the selected tests read, one after the other
@@ -115,8 +122,15 @@ def _launch_args(key: JobKey) -> dict:
     """``scenario_cp_training.launch``'s arguments for the job ``key``."""
     version, package, mask = key
     if mask == UNIFIED:
-        return {"package": package, "modes": (UNIFIED,), "world_size": 4}
+        return {"package": package, "modes": (UNIFIED, *_ring4_with(version, package)), "world_size": 4}
+    if mask == RING4:
+        return {"package": package, "modes": (RING4,), "world_size": 4}
     return {"package": package, "modes": cases(version, package, mask), "mask_switch": mask}
+
+
+def _ring4_with(version: str, package: bool) -> tuple[str, ...]:
+    """The ring-degree-4 case where it rides along in the unified job (with the package)."""
+    return (RING4,) if package and version in RING4_WITH else ()
 
 
 def _cached_run(key: JobKey) -> dict:
@@ -161,6 +175,8 @@ def _reads(test: str, params: dict) -> list[JobKey]:
         return [(version, params["package"], None)]
     if test == "test_unified_training_step":
         return [(version, params["package"], UNIFIED)]
+    if test == "test_ring_degree_4_training_step":
+        return [(version, params["package"], UNIFIED if params["package"] else RING4)]
     if test == "test_qwen_padded_prompts_warn_is_far_off":
         return [(version, True, "warn")]
     if test == "test_qwen_padded_prompts_without_package":
@@ -213,7 +229,7 @@ def _summary():
     for (version, package, mask), result in sorted(
         _jobs.items(), key=lambda item: (item[0][0], item[0][1], item[0][2] or "")
     ):
-        suffix = f"-{mask}" if mask == UNIFIED else (f"-mask={mask}" if mask else "")
+        suffix = f"-{mask}" if mask in (UNIFIED, RING4) else (f"-mask={mask}" if mask else "")
         key = f"{version}-{'with' if package else 'without'}{suffix}"
         if isinstance(result, BaseException):
             summary[key] = {"job_error": repr(result)[:500]}
@@ -429,6 +445,35 @@ def test_unified_training_step(version: str, package: bool, record_property) -> 
     rank0 = entries[0]
     wrong = rank0["status"] == "ok" and worst(rank0) > RING_TOLERANCE
     assert wrong or all(e["status"] == "raised" for e in entries), describe(rank0)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Ring degree 4, 4 ranks: diffusers 0.40+'s own ring backward routes the K/V gradients wrong from degree 3
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("version", "package"),
+    [pytest.param(v, True, id=f"{v}-with") for v in RING4_WITH]
+    + [pytest.param(v, False, id=f"{v}-without") for v in RING4_WITHOUT],
+)
+def test_ring_degree_4_training_step(version: str, package: bool, record_property) -> None:
+    """With the package (``ring_grad_route``: its corrected ring on diffusers' own ops): correct, the installed
+    ring forward's inference output exactly the shipped one's. Without it: runs silently, wrong (the control)."""
+    result = unified_job(version, True) if package else _cached_run((version, False, RING4))
+    _check_job(version, package, None, result)
+    record_property("job_wall_s", result["wall_s"])
+    entries = modes(result, RING4)
+    for entry in entries:
+        assert entry["cp"] == {"ring_degree": 4, "ulysses_degree": 1, "world": 4}, entry
+    if package:
+        assert_ring_corrected(result, RING4, record_property)
+        for entry in entries:
+            assert entry["inference"]["patched"] is True, entry["inference"]
+        assert all(rank["status_ok"] and rank["status_ok_end"] for rank in result["ranks"]), result["ranks"]
+        return
+    rank0 = entries[0]
+    assert rank0["status"] == "ok", describe(rank0)
+    record_property("worst_rel_err", worst(rank0))
+    assert worst(rank0) > 10 * RING_TOLERANCE, describe(rank0)
 
 
 # ------------------------------------------------------------------------------------------------------------

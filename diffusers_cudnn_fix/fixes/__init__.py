@@ -40,7 +40,8 @@ ALL_FIXES: tuple[Fix, ...] = (
     # Ring attention's correction: drives the corrected cuDNN / flash backward ops one ring step at a time
     # (refuses for any other backward op).
     ring_backward.FIX,
-    # diffusers' ring backward from 0.40 on routes the K/V gradients wrong from ring degree 3: refused there
-    # (after ring_backward, whose corrected ring on 0.36-0.39 its check then sees and finds right).
+    # diffusers' ring backward from 0.40 on routes the K/V gradients wrong from ring degree 3: the same corrected
+    # ring, driving diffusers' own (fixed) ops (after ring_backward, whose corrected ring on 0.36-0.39 its check
+    # then sees and finds right).
     ring_grad_route.FIX,
 )

@@ -33,7 +33,8 @@ per-step meaning is wrong upstream; ``enable_gqa``), make the backward raise :cl
 naming the cause and the way out. The forward never raises where the shipped one would not.
 
 The ring degree is not limited: the chunk order and the accumulator's route are chosen so that each chunk's
-gradient ends on its owner for any degree (diffusers' own route, even 0.40's, is right for degree 2 only).
+gradient ends on its owner for any degree (diffusers' own route, even 0.40's, is right for degree 2 only;
+``ring_grad_route`` installs this forward and the same route on 0.40 on).
 
 Revert: the class's original ``forward`` and ``backward`` staticmethods are put back (the registry keeps
 them).
@@ -42,7 +43,7 @@ them).
 from __future__ import annotations
 
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,17 +84,19 @@ INPUTS = len(FORWARD_PARAMS) - 1
 #: Where the corrected forward leaves what the corrected backward needs, on the autograd context.
 RECORD = "_diffusers_cudnn_fix_ring"
 
-WAY_OUT = (
-    "Train with Ulysses context parallelism (ContextParallelConfig(ulysses_degree=...)), or upgrade diffusers "
-    "to >= 0.40 and keep ring_degree at 2 (its ring backward gives wrong K/V gradients from ring_degree 3 on). "
-    f"DIFFUSERS_CUDNN_FIX_SKIP={FIX_ID} lets diffusers' own (wrong) ring backward run."
-)
+
+def way_out(fix_id: str) -> str:
+    """The way out of a refused ring backward, naming the fix whose skip lets diffusers' own backward run."""
+    return (
+        "Train with Ulysses context parallelism (ContextParallelConfig(ulysses_degree=...)) for these inputs. "
+        f"DIFFUSERS_CUDNN_FIX_SKIP={fix_id} lets diffusers' own ring backward run (wrong gradients)."
+    )
 
 
 @dataclass(frozen=True)
 class RingRecord:
     """What the corrected forward keeps for the backward: the merged output (B, S, H, D) and log-sum-exp
-    (B, S, H), detached, and why the backward must refuse (None when it may run)."""
+    (B, S, H), detached, and what makes the backward refuse (None when it may run)."""
 
     out: torch.Tensor
     lse: torch.Tensor
@@ -115,24 +118,19 @@ class StepContext:
 
 
 def _refusal(world: int, attn_mask: Any, dropout_p: float, is_causal: bool, enable_gqa: bool) -> str | None:
-    """Why the corrected backward cannot be right for these inputs, or None. With one ring chunk (the whole
+    """What makes the corrected backward wrong for these inputs, or None. With one ring chunk (the whole
     sequence) a mask, dropout and causal attention mean what they say, and nothing is refused but GQA."""
     if enable_gqa:
-        why = "enable_gqa (the attention ops do not support it)"
-    elif world == 1:
+        return "enable_gqa (the attention ops do not support it)"
+    if world == 1:
         return None
-    elif attn_mask is not None:
-        why = "an attention mask (diffusers' ring attention applies the rank's own mask to every ring step's K/V)"
-    elif dropout_p > 0.0:
-        why = "dropout (only the first ring step's random state is kept, each step's backward needs its own)"
-    elif is_causal:
-        why = "is_causal (each ring step would apply a causal mask to a block of another rank's keys)"
-    else:
-        return None
-    return (
-        f"diffusers_cudnn_fix: ring context parallelism's backward is corrected without masks, dropout, causal "
-        f"attention or GQA; this call has {why}. {WAY_OUT}"
-    )
+    if attn_mask is not None:
+        return "an attention mask (diffusers' ring attention applies the rank's own mask to every ring step's K/V)"
+    if dropout_p > 0.0:
+        return "dropout (only the first ring step's random state is kept, each step's backward needs its own)"
+    if is_causal:
+        return "is_causal (each ring step would apply a causal mask to a block of another rank's keys)"
+    return None
 
 
 def _split_kv(chunk: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,9 +138,9 @@ def _split_kv(chunk: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tu
     return chunk[: key.numel()].reshape_as(key), chunk[key.numel() :].reshape_as(value)
 
 
-def _wait(tensor: torch.Tensor) -> torch.Tensor:
+def _wait(tensor: torch.Tensor, collectives: Any) -> torch.Tensor:
     """The collective's result, waited for (functional collectives return a tensor that completes later)."""
-    if funcol is not None and isinstance(tensor, funcol.AsyncCollectiveTensor):
+    if collectives is not None and isinstance(tensor, collectives.AsyncCollectiveTensor):
         return tensor.wait()
     return tensor
 
@@ -208,29 +206,12 @@ def ring_attention_forward(
 
 
 def ring_attention_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tuple[torch.Tensor | None, ...]:
-    """Stands in for ``TemplatedRingAttention.backward``: each ring step's gradients from that step's K/V.
-
-    Step ``i`` works on the K/V chunk of ring rank ``rank - i``. The corrected backward op recomputes that
-    chunk's share of the softmax from the merged output and log-sum-exp and returns its dQ, dK, dV. dQ is
-    summed here; the chunk's dK/dV are added to the accumulator that arrived from rank ``rank - 1`` (which
-    has just worked on the same chunk) and passed on to rank ``rank + 1``: after the last step that is the
-    chunk's owner.
-    """
+    """Stands in for ``TemplatedRingAttention.backward`` (0.36 to 0.39): each ring step's gradients from that
+    step's K/V, through the package's corrected backward ops (:func:`ring_gradients` routes them)."""
     backend = step_backend(ctx.backward_op, STEP_BACKWARD_OPS)  # the global as this function sees it (the check's)
     if backend is None:
         raise UnsafeAttentionError(unsupported_backend_message(ctx.backward_op))
-    record = getattr(ctx, RECORD, None)
-    if not isinstance(record, RingRecord):
-        raise UnsafeAttentionError(
-            "diffusers_cudnn_fix: this ring attention's forward ran before the package corrected the ring "
-            f"(apply() between a forward and its backward?), so its backward cannot be corrected. {WAY_OUT}"
-        )
-    if record.refusal is not None:
-        raise UnsafeAttentionError(record.refusal)
-    config = ctx._parallel_config.context_parallel_config
-    group = config._ring_mesh.get_group()
-    rank, world = config._ring_local_rank, config.ring_degree
-    to_next = [(r + 1) % world for r in range(world)]  # rank r sends to r + 1
+    record = recorded(ctx, FIX_ID)
 
     # What the forward op saved (kernel layout): q, the local K/V, then the rest as the op keeps it. The
     # step's output and log-sum-exp are replaced by the merged ones, laid out as the kernel takes them.
@@ -240,7 +221,51 @@ def ring_attention_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tup
     # grad_out laid out as the op will hand it to the kernel (out's strides): copied once, not per step.
     grad_out = with_strides_of(grad_out.transpose(1, 2), out).transpose(1, 2)
 
-    gathered = funcol.all_gather_tensor(
+    def step_grads(step_key: torch.Tensor, step_value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        step_ctx = StepContext(ctx, (query, step_key, step_value, out, lse, *rest))
+        return tuple(ctx.backward_op(step_ctx, grad_out)[:3])
+
+    return ring_gradients(ctx, grad_out, key, value, step_grads, funcol)
+
+
+def recorded(ctx: Any, fix_id: str) -> RingRecord:
+    """What the corrected forward kept on ``ctx``; raises where the backward must not run."""
+    record = getattr(ctx, RECORD, None)
+    if not isinstance(record, RingRecord):
+        raise UnsafeAttentionError(
+            "diffusers_cudnn_fix: this ring attention's forward ran before the package corrected the ring "
+            f"(apply() between a forward and its backward?), so its backward cannot be corrected. {way_out(fix_id)}"
+        )
+    if record.refusal is not None:
+        raise UnsafeAttentionError(
+            f"diffusers_cudnn_fix: ring context parallelism's backward is corrected without masks, dropout, causal "
+            f"attention or GQA; this call has {record.refusal}. {way_out(fix_id)}"
+        )
+    return record
+
+
+def ring_gradients(
+    ctx: Any,
+    grad_out: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    step_grads: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]],
+    collectives: Any,
+) -> tuple[torch.Tensor | None, ...]:
+    """The ring backward's gradients for every input of ``TemplatedRingAttention.forward``.
+
+    Step ``i`` works on the K/V chunk of ring rank ``rank - i``: ``step_grads(K, V)`` returns that chunk's
+    (dQ, dK, dV) for our queries. dQ is summed here; the chunk's dK/dV are added to the accumulator that
+    arrived from rank ``rank - 1`` (which has just worked on the same chunk) and passed on to rank
+    ``rank + 1``: after the last step that is the chunk's owner, for any ring degree. ``collectives`` is the
+    caller's ``funcol`` (the checks and test harnesses hand the caller stand-ins through its globals).
+    """
+    config = ctx._parallel_config.context_parallel_config
+    group = config._ring_mesh.get_group()
+    rank, world = config._ring_local_rank, config.ring_degree
+    to_next = [(r + 1) % world for r in range(world)]  # rank r sends to r + 1
+
+    gathered = collectives.all_gather_tensor(
         torch.cat([key.flatten(), value.flatten()]).contiguous(), gather_dim=0, group=group
     ).chunk(world)
     accum_dtype = torch.float32 if config.convert_to_fp32 else grad_out.dtype
@@ -252,15 +277,14 @@ def ring_attention_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tup
         else:
             step_key, step_value = _split_kv(gathered[(rank - step) % world], key, value)
             step_key, step_value = realigned(step_key), realigned(step_value)
-        step_ctx = StepContext(ctx, (query, step_key, step_value, out, lse, *rest))
-        grad_q, grad_k, grad_v, *_ = ctx.backward_op(step_ctx, grad_out)
+        grad_q, grad_k, grad_v = step_grads(step_key, step_value)
         grad_query += grad_q
         grad_kv = torch.cat([grad_k.flatten(), grad_v.flatten()]).to(accum_dtype)
         if arriving is not None:
-            grad_kv += _wait(arriving)
-        arriving = funcol.permute_tensor(grad_kv, to_next, group=group)
+            grad_kv += _wait(arriving, collectives)
+        arriving = collectives.permute_tensor(grad_kv, to_next, group=group)
     assert arriving is not None  # world >= 1
-    grad_kv = _wait(arriving)
+    grad_kv = _wait(arriving, collectives)
     numel = ctx.kv_shape.numel()  # a torch.Size
     grad_key = grad_kv[:numel].reshape(ctx.kv_shape)
     grad_value = grad_kv[numel:].reshape(ctx.kv_shape)
@@ -288,7 +312,10 @@ def unsupported_backend_message(backward_op: Any) -> str:
         "upstream in diffusers 0.40.0, huggingface/diffusers#14274). The package corrects it for the "
         f"{' and '.join(sorted(set(STEP_BACKWARD_OPS.values())))} attention backends, with their corrected "
         f"backward ops in place (fixes cudnn_backward_kv, flash_backward_kv); this call's backward op is {name}. "
-        f"Use one of those backends for ring training. {WAY_OUT}"
+        "Use one of those backends for ring training, Ulysses context parallelism "
+        "(ContextParallelConfig(ulysses_degree=...)), or diffusers >= 0.40 (ring right with every backend at "
+        f"ring_degree 2, and at any degree with these two and this package). DIFFUSERS_CUDNN_FIX_SKIP={FIX_ID} "
+        "lets diffusers' own (wrong) ring backward run."
     )
 
 

@@ -15,20 +15,27 @@ which rank's chunk that step worked on (read from the K it is handed); the stand
 records each send's source -> destination map and hands rank 0 what its sender would hold, which, the ranks
 running the same code, is rank 0's own accumulator with the chunk marks shifted by the sender's rank. A
 correct route leaves on rank 0 the gradients of its own chunk only, one from each rank. The package's own
-corrected ring (``ring_backward`` on 0.36 to 0.39) passes the same test; a ring whose steps do not work on
-each step's K/V at all (``ring_backward``'s bug, the fix skipped) is left to that fix.
+corrected ring (``ring_backward`` on 0.36 to 0.39, and this fix's on 0.40 on) passes the same test; a ring
+whose steps do not work on each step's K/V at all (``ring_backward``'s bug, the fix skipped) is left to that
+fix.
 
-Replacement: a guard around the installed backward: from ring degree 3 it raises
-:class:`UnsafeAttentionError` naming the cause and the way out; ring degree 2 runs as shipped. The forward is
-not touched, so ring inference runs at any degree.
+Replacement: the package's corrected ring (``ring_backward``'s forward, whose inference output is the
+shipped one's bit for bit, and :func:`routed_ring_backward`), driving diffusers' own backward ops the way
+0.40 does (each ring step's q / K / V and the merged output and log-sum-exp handed over as keyword tensors)
+and routing each chunk's K/V gradient to its owner at any ring degree. At ring degree 3 and more only
+diffusers' ``_native_cudnn`` and ``_native_flash`` backward ops are driven (behind the package's own
+wrappers, if any); any other backend is refused there with :class:`UnsafeAttentionError` naming the way out
+(at ring degree 2 it runs, as diffusers' own backward would). A mask, dropout or ``is_causal`` at ring degree
+> 1 (diffusers applies each rank's own mask to every ring step's K/V and keeps only the first step's random
+state) is refused as on 0.36 to 0.39.
 
-Revert: the class's original ``backward`` staticmethod is put back (the registry keeps it).
+Revert: the class's original ``forward`` and ``backward`` staticmethods are put back (the registry keeps them).
 """
 
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -36,7 +43,15 @@ import torch
 from .. import _detect
 from .._fix import Finding, Fix, Lookup
 from .._warnings import UnsafeAttentionError
-from .ring_backward import BACKWARD, installed_ring
+from .ring_backward import (
+    BACKWARD,
+    FORWARD,
+    installed_ring,
+    recorded,
+    ring_attention_forward,
+    ring_gradients,
+    step_backend,
+)
 
 if torch.distributed.is_available():
     from torch.distributed import _functional_collectives as funcol
@@ -45,43 +60,51 @@ else:  # a torch without distributed support never reaches ring attention
 
 FIX_ID = "ring_grad_route"
 
-#: The largest ring degree whose K/V gradients the shipped route gets right.
+#: The largest ring degree whose K/V gradients the shipped route gets right (any backend's op runs there).
 RIGHT_UP_TO = 2
 
+#: diffusers' own backward ops (0.40 on) that the corrected ring drives at any ring degree -> their backend.
+OPS = {"_cudnn_attention_backward_op": "_native_cudnn", "_native_flash_attention_backward_op": "_native_flash"}
 
-def refusal_message(degree: int) -> str:
+#: Those ops as installed, and every function they wrap, by identity -> backend; filled by :func:`build`. A
+#: module global, not a closure: the checks and the test harnesses run the installed backward as a copy that
+#: sees other module globals (the checks put their stand-in op here), and such a copy keeps no closure.
+STEP_BACKWARD_OPS: dict[Any, str] = {}
+
+
+def unsupported_backend_message(backward_op: Any, degree: int) -> str:
+    name = f"{getattr(backward_op, '__module__', '?')}.{getattr(backward_op, '__qualname__', repr(backward_op))}"
     return (
         f"diffusers_cudnn_fix: this diffusers release's ring attention backward computes wrong key/value "
         f"gradients from ring_degree 3 on (it passes the K/V gradient accumulator the other way round the ring "
-        f"from the K/V chunks, so each rank's gradients mix several chunks); this call has ring_degree {degree}. "
-        f"Train with ring_degree=2 and Ulysses for the rest of the parallelism "
-        f"(ContextParallelConfig(ring_degree=2, ulysses_degree=...)), or with Ulysses alone. Ring inference "
-        f"(no backward) is not affected. DIFFUSERS_CUDNN_FIX_SKIP={FIX_ID} lets diffusers' own (wrong) ring "
+        f"from the K/V chunks); this call has ring_degree {degree}. The package corrects it for the "
+        f"{' and '.join(sorted(set(OPS.values())))} attention backends; this call's backward op is {name}. Use "
+        f"one of those backends, or ring_degree=2 with Ulysses for the rest of the parallelism "
+        f"(ContextParallelConfig(ring_degree=2, ulysses_degree=...)), or Ulysses alone. Ring inference (no "
+        f"backward) is not affected. DIFFUSERS_CUDNN_FIX_SKIP={FIX_ID} lets diffusers' own (wrong) ring "
         f"backward run."
     )
 
 
-#: The installed backward the guard hands ring degree 2 to, set by :func:`build`. A module global, not a
-#: closure: the checks and the test harnesses run the installed backward as a copy that sees other module
-#: globals (stand-in collectives), and such a copy keeps the globals it is given but not a closure.
-_wrapped: dict[str, Callable[..., Any]] = {}
-
-
-def guarded_ring_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> Any:
-    """Stands in for ``TemplatedRingAttention.backward``: refuses the ring degrees the installed backward gets
-    wrong, hands the others to it.
-
-    The guard's own ``funcol`` goes on to the installed backward: a check running the guard as a copy that
-    sees stand-in collectives (``ring_backward``'s, at ring degree 2) reaches the installed code with them. In
-    training both are torch's functional collectives and the installed backward runs as it is.
-    """
+def routed_ring_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tuple[torch.Tensor | None, ...]:
+    """Stands in for ``TemplatedRingAttention.backward`` (0.40 on): each ring step's gradients from diffusers'
+    own backward op, handed that step's K/V with the merged output and log-sum-exp, and each chunk's K/V
+    gradient routed to its owner (``ring_backward.ring_gradients``)."""
+    record = recorded(ctx, FIX_ID)
     degree = ctx._parallel_config.context_parallel_config.ring_degree
-    if degree > RIGHT_UP_TO:
-        raise UnsafeAttentionError(refusal_message(degree))
-    shipped = _wrapped[BACKWARD]
-    if shipped.__globals__.get("funcol") is not funcol:
-        shipped = _detect.with_globals(shipped, funcol=funcol)
-    return shipped(ctx, grad_out, *args)
+    # The global as this function sees it (the check's stand-in op), through the package's wrappers.
+    if degree > RIGHT_UP_TO and step_backend(ctx.backward_op, STEP_BACKWARD_OPS) is None:
+        raise UnsafeAttentionError(unsupported_backend_message(ctx.backward_op, degree))
+    # What the forward op saved at the first ring step: q and the local K/V, in model layout (B, S, H, D).
+    query, key, value = ctx.saved_tensors[:3]
+
+    def step_grads(step_key: torch.Tensor, step_value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        grads = ctx.backward_op(
+            ctx, grad_out, query=query, key=step_key, value=step_value, out=record.out, lse=record.lse
+        )
+        return tuple(grads[:3])
+
+    return ring_gradients(ctx, grad_out, key, value, step_grads, funcol)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -181,8 +204,17 @@ def check(lookup: Lookup) -> Finding:
 
 
 def build(lookup: Lookup) -> Mapping[str, Any]:
-    _wrapped[BACKWARD] = lookup(BACKWARD)
-    return {BACKWARD: staticmethod(guarded_ring_backward)}
+    known: dict[Any, str] = {}
+    for name, backend in OPS.items():
+        op = lookup(name)
+        for _ in range(8):  # the installed op, and what its wrappers (functools.wraps) wrap: a chain, not a cycle
+            if op is None:
+                break
+            known[op] = backend
+            op = getattr(op, "__wrapped__", None)
+    STEP_BACKWARD_OPS.clear()
+    STEP_BACKWARD_OPS.update(known)
+    return {FORWARD: staticmethod(ring_attention_forward), BACKWARD: staticmethod(routed_ring_backward)}
 
 
 FIX = Fix(
@@ -190,8 +222,8 @@ FIX = Fix(
     title="ring attention's backward routes the K/V gradients wrong from ring degree 3",
     upstream="https://github.com/huggingface/diffusers/pull/14274",
     affected=">=0.40.0",
-    targets=(BACKWARD,),
+    targets=(FORWARD, BACKWARD),
     check=check,
     build=build,
-    kind="guard",
+    only_for="ring attention at ring_degree >= 3, or with a mask or dropout",
 )
