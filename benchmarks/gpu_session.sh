@@ -6,9 +6,9 @@
 #   bash benchmarks/gpu_session.sh import  # bench_import.py and hook_phases.py on that machine's CPU
 #   bash benchmarks/gpu_session.sh references  # tests/test_references.py under that machine's Python
 #   bash benchmarks/gpu_session.sh hook-ab  # the hook only, this package against .base, more runs
-#   bash benchmarks/gpu_session.sh trust    # launch matrix + GPU tests, random cases, mask/ops benchmark,
-#                                           # the bare kernels' masked rows: 9 files in $OUT (each step under
-#                                           # its own time limit)
+#   bash benchmarks/gpu_session.sh trust    # launch matrix + GPU tests, training stacks, random cases,
+#                                           # mask/ops benchmark, the bare kernels' masked rows: 10 files in
+#                                           # $OUT (each step under its own time limit)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -53,7 +53,13 @@ trust)
     RES=/tmp/dcf-results
     mkdir -p "$RES"
     step tests "${DCF_TESTS_LIMIT:-220}" env DIFFUSERS_CUDNN_FIX_RESULTS=$RES \
-        python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -rfE 2>&1 | tee "$OUT/gpu-tests.log"
+        python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -rfE -k "not training_stack" 2>&1 \
+        | tee "$OUT/gpu-tests.log"
+    # Training stacks (QwenImage with padded prompts: eager, inductor, autocast, checkpointing), under a limit
+    # of their own: inductor compiles the model per release (raw JSON gpu-stacks-<release>.json).
+    step stacks "${DCF_STACKS_LIMIT:-360}" env DIFFUSERS_CUDNN_FIX_RESULTS=$RES \
+        python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -rfExX -k training_stack 2>&1 \
+        | tee "$OUT/gpu-stacks-tests.log"
     python3 - "$RES" "$OUT/gpu-tests.json" <<'PY'
 import json, sys
 from pathlib import Path

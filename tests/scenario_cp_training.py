@@ -390,7 +390,7 @@ def _run_rank(rank: int, spec: dict[str, Any], rec: _Warnings, result: dict[str,
 
     standin_kernels.register()
     for mode in spec["modes"]:
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.process_time()
         name, cp_mode = CASES[mode]
         if name in failed:
             result["modes"][mode] = {"status": "reference_raised", "model": name, "error": failed[name]}
@@ -408,6 +408,7 @@ def _run_rank(rank: int, spec: dict[str, Any], rec: _Warnings, result: dict[str,
         entry.pop("grads", None)
         entry.pop("local_grads", None)
         entry["seconds"] = round(time.monotonic() - t0, 2)
+        entry["cpu_s"] = round(time.process_time() - cpu0, 2)  # this rank's CPU time (wall varies with load)
         result["modes"][mode] = entry
         dist.barrier()
     if spec["package"]:
@@ -727,7 +728,7 @@ def _recording_aot_eager(graphs: dict[str, Any]):
             for node in gm.graph.nodes:
                 if node.op != "call_function" or "scaled_dot_product" not in str(node.target):
                     continue
-                name = str(node.target).split(".")[1]  # aten.<name>.default
+                name = next(part for part in str(node.target).split(".") if "scaled_dot_product" in part)
                 ops[name] = ops.get(name, 0) + 1
                 if "cudnn" in name:
                     arg = _attn_bias(node.target, node.args, node.kwargs)
