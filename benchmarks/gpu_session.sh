@@ -3,6 +3,7 @@
 # diffusers): the wheels travel in .whl (carry: [".whl"]), results go to $OUT.
 #
 #   bash benchmarks/gpu_session.sh tests   # GPU tests, raw JSON per release, environment
+#   bash benchmarks/gpu_session.sh stacks  # the training-stack GPU tests only (raw gpu-stacks-*.json)
 #   bash benchmarks/gpu_session.sh import  # bench_import.py and hook_phases.py on that machine's CPU
 #   bash benchmarks/gpu_session.sh references  # tests/test_references.py under that machine's Python
 #   bash benchmarks/gpu_session.sh hook-ab  # the hook only, this package against .base, more runs
@@ -88,6 +89,17 @@ PY
         --budget $(( ${DCF_DEAD_ROWS_LIMIT:-90} - 15 )) --out "$OUT/probe-dead-rows.json" 2>&1 \
         | tee "$OUT/probe-dead-rows.log"
     date -u >>"$OUT/gpu-session.log"
+    ;;
+stacks)
+    # The training-stack GPU tests alone (also a step of trust), for a device call of their own.
+    RES=/tmp/dcf-results
+    mkdir -p "$RES"
+    python3 -c "import torch; print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version())" \
+        >"$OUT/gpu-session.log" 2>&1
+    step stacks "${DCF_STACKS_LIMIT:-360}" env DIFFUSERS_CUDNN_FIX_RESULTS=$RES \
+        python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -rfExX -k training_stack 2>&1 \
+        | tee "$OUT/gpu-stacks-tests.log"
+    cp "$RES"/gpu-stacks-*.json "$OUT"/ 2>/dev/null
     ;;
 tests)
     {
