@@ -27,7 +27,9 @@ inside the backward: on CUDA on autograd's device thread); and a control, bf16 e
 ``DIFFUSERS_CUDNN_FIX_MASK=warn`` semantics (``set_mask_mode("warn")``: the bool mask passed through as
 diffusers does), which must be far off. Each is compared with the fp32 model on diffusers' ``_native_math``
 backend without a parallel config, per parameter ``max|g - g_ref| / max|g_ref|``; the noise floors are the
-same model on the math backend in bf16 and under autocast.
+same model on the math backend in bf16 and under autocast. Also recorded (``flux_autocast``): a small Flux,
+bf16 eager and under autocast with bf16 and fp32 weights (CUDA's autocast runs ``torch.nn.RMSNorm``, through
+which Flux's q/k pass, in fp32).
 
 Prints one JSON line.
 """
@@ -111,7 +113,7 @@ def main(device: str = "cuda", compile_backend: str | None = None, variants: tup
     os._exit(0)
 
 
-def run(dev: torch.device, backend: str, variants: tuple[str, ...]) -> dict[str, Any]:
+def run(dev: torch.device, backend: str, variants: tuple[str, ...], with_flux: bool = True) -> dict[str, Any]:
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -134,6 +136,11 @@ def run(dev: torch.device, backend: str, variants: tuple[str, ...]) -> dict[str,
         "floor_autocast": compare(floors["autocast"], ref),
         "seconds": round(time.monotonic() - t0, 2),
     }
+    flux = None
+    if with_flux:
+        flux_model, flux_inputs, flux_target = build_flux(dev)
+        flux_ref = reference(flux_model, flux_inputs, flux_target, "float32", autocast=False)
+        flux = (flux_model, flux_inputs, flux_target, flux_ref)
     if dev.type == "cpu":
         import standin_kernels
 
@@ -143,13 +150,71 @@ def run(dev: torch.device, backend: str, variants: tuple[str, ...]) -> dict[str,
     with route_degree_one():
         for name in variants:
             t0 = time.monotonic()
-            out["variants"][name] = train(name, model32, inputs, target, config, backend, dev)
+            out["variants"][name] = _compared(train(VARIANTS[name], model32, inputs, target, config, backend, dev), ref)
             out["variants"][name]["seconds"] = round(time.monotonic() - t0, 2)
-            entry = out["variants"][name]
-            if "grads" in entry:
-                got = {"grads": entry.pop("grads"), "out": entry.pop("out"), "loss": entry["loss"]}
-                entry["compare"] = compare(got, ref)
             poison(dev)
+        if flux is not None:
+            out["flux_autocast"] = flux_autocast(dev, config, backend, flux)
+    return out
+
+
+def _compared(entry: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    if "grads" in entry:
+        got = {"grads": entry.pop("grads"), "out": entry.pop("out"), "loss": entry["loss"]}
+        entry["compare"] = compare(got, ref)
+    return entry
+
+
+#: Small Flux (one double- and one single-stream block), for the autocast record.
+FLUX_CONFIG = dict(
+    patch_size=1,
+    in_channels=16,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=64,
+    num_attention_heads=4,
+    joint_attention_dim=32,
+    pooled_projection_dim=32,
+    guidance_embeds=False,
+    axes_dims_rope=(16, 24, 24),
+)
+FLUX_VARIANTS: dict[str, tuple[str, bool, bool, bool, str]] = {
+    "bf16 weights, eager": ("bfloat16", False, False, False, "convert"),
+    "bf16 weights, autocast, eager": ("bfloat16", True, False, False, "convert"),
+    "fp32 weights, autocast, eager": ("float32", True, False, False, "convert"),
+}
+
+
+def build_flux(dev: torch.device):
+    """(fp32 Flux, inputs, fp32 target), seeded, for the autocast record (``flux_autocast``)."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model32 = FluxTransformer2DModel(**FLUX_CONFIG).to(dev).to(torch.bfloat16).to(torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    batch, img_tokens = len(TEXT_LENGTHS), IMG_SHAPE[1] * IMG_SHAPE[2]
+    inputs = {
+        "hidden_states": torch.randn(batch, img_tokens, FLUX_CONFIG["in_channels"], generator=gen),
+        "encoder_hidden_states": torch.randn(batch, TEXT_TOKENS, FLUX_CONFIG["joint_attention_dim"], generator=gen),
+        "pooled_projections": torch.randn(batch, FLUX_CONFIG["pooled_projection_dim"], generator=gen),
+        "timestep": torch.tensor([0.5, 0.25]),
+        "img_ids": torch.tensor([[0.0, i // IMG_SHAPE[2], i % IMG_SHAPE[2]] for i in range(img_tokens)]),
+        "txt_ids": torch.zeros(TEXT_TOKENS, 3),
+    }
+    inputs = {k: (v.to(torch.bfloat16) if k in CAST else v).to(dev) for k, v in inputs.items()}
+    target = torch.randn(batch, img_tokens, FLUX_CONFIG["in_channels"], generator=gen).to(dev)
+    return model32, inputs, target
+
+
+def flux_autocast(dev: torch.device, config, backend: str, flux) -> dict[str, Any]:
+    """Recorded, not asserted beyond "never silently wrong": Flux's q/k pass through ``torch.nn.RMSNorm``,
+    which CUDA's autocast runs in fp32 (``rms_norm`` is on its fp32 list; CPU's autocast has no rule for it),
+    so under ``torch.autocast("cuda", ...)`` its q/k may reach the cuDNN op in fp32 whatever the weights."""
+    model32, inputs, target, ref = flux
+    out: dict[str, Any] = {}
+    for name, spec in FLUX_VARIANTS.items():
+        out[name] = _compared(train(spec, model32, inputs, target, config, backend, dev), ref)
+        poison(dev)
     return out
 
 
@@ -181,7 +246,7 @@ def build(dev: torch.device):
     return model, inputs, target
 
 
-CAST = ("hidden_states", "encoder_hidden_states", "timestep")
+CAST = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep")
 
 
 def _cast(inputs: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
@@ -325,8 +390,8 @@ def _recording(backend: str, graphs: list[dict[str, int]]):
     return recording
 
 
-def train(name, model32, inputs, target, config, backend: str, dev: torch.device) -> dict[str, Any]:
-    dtype_name, autocast, compiled, checkpointing, mask_mode = VARIANTS[name]
+def train(spec, model32, inputs, target, config, backend: str, dev: torch.device) -> dict[str, Any]:
+    dtype_name, autocast, compiled, checkpointing, mask_mode = spec
     dtype = getattr(torch, dtype_name)
     entry: dict[str, Any] = {"status": "ok"}
     model = copy.deepcopy(model32).to(dtype)

@@ -311,6 +311,12 @@ def test_training_stack_never_silently_wrong(stacks_result: dict) -> None:
         else:
             compare = entry["compare"]
             assert compare["worst"] <= _stack_limit(stacks_result, variant), (variant, compare)
+    # Flux under autocast (recorded: CUDA's autocast runs torch.nn.RMSNorm, hence Flux's q/k, in fp32).
+    for variant, entry in stacks_result["flux_autocast"].items():
+        if entry["status"] == "raised":
+            assert entry["raised"] == "UnsafeAttentionError", ("flux", variant, entry)
+        else:
+            assert entry["compare"]["worst"] <= STACK_TOLERANCE, ("flux", variant, entry["compare"])
 
 
 def test_training_stack_control_is_far_off(stacks_result: dict) -> None:
