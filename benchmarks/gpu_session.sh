@@ -58,7 +58,7 @@ trust)
         | tee "$OUT/gpu-tests.log"
     # Training stacks (QwenImage with padded prompts: eager, inductor, autocast, checkpointing), under a limit
     # of their own: inductor compiles the model per release (raw JSON gpu-stacks-<release>.json).
-    step stacks "${DCF_STACKS_LIMIT:-360}" env DIFFUSERS_CUDNN_FIX_RESULTS=$RES \
+    step stacks "${DCF_STACKS_LIMIT:-420}" env DIFFUSERS_CUDNN_FIX_RESULTS=$RES \
         python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -rfExX -k training_stack 2>&1 \
         | tee "$OUT/gpu-stacks-tests.log"
     python3 - "$RES" "$OUT/gpu-tests.json" <<'PY'
@@ -96,7 +96,7 @@ stacks)
     mkdir -p "$RES"
     python3 -c "import torch; print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version())" \
         >"$OUT/gpu-session.log" 2>&1
-    step stacks "${DCF_STACKS_LIMIT:-360}" env DIFFUSERS_CUDNN_FIX_RESULTS=$RES \
+    step stacks "${DCF_STACKS_LIMIT:-420}" env DIFFUSERS_CUDNN_FIX_RESULTS=$RES \
         python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -rfExX -k training_stack 2>&1 \
         | tee "$OUT/gpu-stacks-tests.log"
     cp "$RES"/gpu-stacks-*.json "$OUT"/ 2>/dev/null

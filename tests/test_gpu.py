@@ -11,6 +11,10 @@ with a timeout (``DCF_LAUNCH_TIMEOUT``, default 90 s; a case takes 10-15 s): a h
 the hung process's stacks (faulthandler, 10 s before the timeout) in the failure, and the group is killed.
 The cases run side by side (``DCF_LAUNCH_JOBS``, default 8) on the one GPU. Raw JSON:
 ``launch-<version>-<order>-<state>.json``.
+
+Training stacks (``test_training_stack_*``): ``scenario_gpu_stacks.py`` per release (0.39.0, 0.42.1), a small
+QwenImage with padded prompts at world size 1 over NCCL, eager / inductor / autocast / checkpointing against
+fp32 (docs/cp-training-tests.md). Raw JSON: ``gpu-stacks-<version>.json``.
 """
 
 from __future__ import annotations
