@@ -32,6 +32,9 @@ from the one launcher (the test runs all the jobs of a release so). Each rank ru
    sums over its sequence shard), takes an SGD step with them and runs a second forward/backward;
 5. writes one JSON file; the launcher prints both ranks' files as one JSON line.
 
+The training-stack cases (``STACK_CASES``) run a Ulysses case again with gradient checkpointing on, or with
+the parallelised transformer compiled (``torch.compile``, ``aot_eager`` recording the ops in its graphs).
+
 ``mask_switch`` is the value of ``DIFFUSERS_CUDNN_FIX_MASK`` the ranks see: ``None`` (the default) removes the
 variable from the launcher's environment before the ranks start, so they run on the package's default.
 
