@@ -3,16 +3,17 @@
 # diffusers): the wheels travel in .whl (carry: [".whl"]), results go to $OUT.
 #
 #   bash benchmarks/gpu_session.sh tests   # GPU tests, raw JSON per release, environment
+#   bash benchmarks/gpu_session.sh stacks  # the training-stack GPU tests only (raw gpu-stacks-*.json)
 #   bash benchmarks/gpu_session.sh import  # bench_import.py and hook_phases.py on that machine's CPU
 #   bash benchmarks/gpu_session.sh references  # tests/test_references.py under that machine's Python
 #   bash benchmarks/gpu_session.sh hook-ab  # the hook only, this package against .base, more runs
 #   bash benchmarks/gpu_session.sh trust    # the doctor on 0.39.0 and 0.42.1, launch matrix + GPU tests
 #                                           # (tests/test_gpu.py, ring at degrees 2-4 on 0.36.0, 0.39.0,
-#                                           # 0.40.0, 0.42.1 included; tests/test_gpu_compile.py), random
-#                                           # cases, mask/ops benchmark, the bare kernels' masked rows: 11 files
-#                                           # in $OUT (each step under its own time limit; DCF_STEPS picks
-#                                           # steps, default all five: "doctor tests random bench dead_rows",
-#                                           # for a device call's 10 minutes)
+#                                           # 0.40.0, 0.42.1 included; tests/test_gpu_compile.py), training
+#                                           # stacks, random cases, mask/ops benchmark, the bare kernels'
+#                                           # masked rows (each step under its own time limit; DCF_STEPS picks
+#                                           # steps, default all six: "doctor tests stacks random bench
+#                                           # dead_rows", for a device call's 10 minutes)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -54,7 +55,7 @@ trust)
         # Contents only, files in sorted order: compare with the same one-liner run in your checkout.
         python3 -c "import hashlib, pathlib; h = hashlib.sha256(); [h.update(p.read_bytes()) for p in sorted(pathlib.Path('diffusers_cudnn_fix').rglob('*.py'))]; print('package sources sha256', h.hexdigest())"
     } >"$OUT/gpu-session.log" 2>&1
-    STEPS=" ${DCF_STEPS:-doctor tests random bench dead_rows} "
+    STEPS=" ${DCF_STEPS:-doctor tests stacks random bench dead_rows} "
     # The doctor on this GPU, as a user runs it (benchmarks/results/doctor-<version>.txt; the README's H200
     # table cites the 0.39.0 one). Its exit status is the file's last line.
     [[ $STEPS == *" doctor "* ]] && for version in 0.39.0 0.42.1; do
@@ -65,7 +66,13 @@ trust)
     RES=/tmp/dcf-results
     mkdir -p "$RES"
     [[ $STEPS == *" tests "* ]] && step tests "${DCF_TESTS_LIMIT:-220}" env DIFFUSERS_CUDNN_FIX_RESULTS=$RES \
-        python3 -m pytest tests/test_gpu.py tests/test_gpu_compile.py -q -p no:cacheprovider -rfE 2>&1 | tee "$OUT/gpu-tests.log"
+        python3 -m pytest tests/test_gpu.py tests/test_gpu_compile.py -q -p no:cacheprovider -rfE \
+        -k "not training_stack" 2>&1 | tee "$OUT/gpu-tests.log"
+    # Training stacks (QwenImage with padded prompts: eager, inductor, autocast, checkpointing), under a limit
+    # of their own: inductor compiles the model per release (raw JSON gpu-stacks-<release>.json).
+    [[ $STEPS == *" stacks "* ]] && step stacks "${DCF_STACKS_LIMIT:-420}" env DIFFUSERS_CUDNN_FIX_RESULTS=$RES \
+        python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -rfExX -k training_stack 2>&1 \
+        | tee "$OUT/gpu-stacks-tests.log"
     python3 - "$RES" "$OUT/gpu-tests.json" <<'PY'
 import json, sys
 from pathlib import Path
@@ -94,6 +101,17 @@ PY
         --budget $(( ${DCF_DEAD_ROWS_LIMIT:-90} - 15 )) --out "$OUT/probe-dead-rows.json" 2>&1 \
         | tee "$OUT/probe-dead-rows.log"
     date -u >>"$OUT/gpu-session.log"
+    ;;
+stacks)
+    # The training-stack GPU tests alone (also a step of trust), for a device call of their own.
+    RES=/tmp/dcf-results
+    mkdir -p "$RES"
+    python3 -c "import torch; print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version())" \
+        >"$OUT/gpu-session.log" 2>&1
+    step stacks "${DCF_STACKS_LIMIT:-420}" env DIFFUSERS_CUDNN_FIX_RESULTS=$RES \
+        python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -rfExX -k training_stack 2>&1 \
+        | tee "$OUT/gpu-stacks-tests.log"
+    cp "$RES"/gpu-stacks-*.json "$OUT"/ 2>/dev/null
     ;;
 tests)
     {

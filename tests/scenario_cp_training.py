@@ -32,6 +32,9 @@ from the one launcher (the test runs all the jobs of a release so). Each rank ru
    sums over its sequence shard), takes an SGD step with them and runs a second forward/backward;
 5. writes one JSON file; the launcher prints both ranks' files as one JSON line.
 
+The training-stack cases (``STACK_CASES``) run a Ulysses case again with gradient checkpointing on, or with
+the parallelised transformer compiled (``torch.compile``, ``aot_eager`` recording the ops in its graphs).
+
 ``mask_switch`` is the value of ``DIFFUSERS_CUDNN_FIX_MASK`` the ranks see: ``None`` (the default) removes the
 variable from the launcher's environment before the ranks start, so they run on the package's default.
 
@@ -76,6 +79,21 @@ DEGREES = {
     "unified": {"ulysses_degree": 2, "ring_degree": 2},
     "ring4": {"ring_degree": 4},
 }
+#: Training stacks (#19): a Ulysses case again, with gradient checkpointing on
+#: (``model.enable_gradient_checkpointing()``: each block's forward re-runs inside the backward, collectives and
+#: cuDNN forward included) or with the whole parallelised transformer compiled (``torch.compile(model,
+#: backend=COMPILE_BACKEND)``; the parameters, their names and the optimizer stay on ``model``).
+#: Case name -> (model, context-parallel mode, stack).
+STACK_CASES = {
+    "ulysses_ckpt": ("flux", "ulysses", "checkpointing"),
+    "ulysses_compile": ("flux", "ulysses", "compile"),
+    "qwen_ulysses_ckpt": ("qwen", "ulysses", "checkpointing"),
+    "qwen_ulysses_compile": ("qwen", "ulysses", "compile"),
+}
+CASES.update({case: (model, cp_mode) for case, (model, cp_mode, _) in STACK_CASES.items()})
+#: aot_eager: dynamo's graph capture and AOTAutograd's joint forward/backward graph, run with eager ATen ops (so
+#: the stand-in kernels run); inductor would generate code (see the compile matrix's tests for that).
+COMPILE_BACKEND = "aot_eager"
 #: With the package, even ranks import it before diffusers and odd ranks after: both import orders in one
 #: job. Each rank patches on its own, and one wrongly patched rank spoils the all-reduced gradients.
 IMPORT_ORDERS = ("package_first", "diffusers_first")
@@ -379,13 +397,14 @@ def _run_rank(rank: int, spec: dict[str, Any], rec: _Warnings, result: dict[str,
 
     standin_kernels.register()
     for mode in spec["modes"]:
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.process_time()
         name, cp_mode = CASES[mode]
         if name in failed:
             result["modes"][mode] = {"status": "reference_raised", "model": name, "error": failed[name]}
             continue
         model16, inputs16, target, _ = built[name]
-        entry = _train(cp_mode, model16, inputs16, target, spec["steps"], rec, dispatch)
+        stack = STACK_CASES[mode][2] if mode in STACK_CASES else None
+        entry = _train(cp_mode, model16, inputs16, target, spec["steps"], rec, dispatch, stack)
         entry["model"] = name
         if rank == 0 and entry.get("grads") is not None:
             ref32 = refs32[name]
@@ -396,6 +415,7 @@ def _run_rank(rank: int, spec: dict[str, Any], rec: _Warnings, result: dict[str,
         entry.pop("grads", None)
         entry.pop("local_grads", None)
         entry["seconds"] = round(time.monotonic() - t0, 2)
+        entry["cpu_s"] = round(time.process_time() - cpu0, 2)  # this rank's CPU time (wall varies with load)
         result["modes"][mode] = entry
         dist.barrier()
     if spec["package"]:
@@ -537,6 +557,15 @@ def _kernel_counter():
     return Counter()
 
 
+class _NoCounter(contextlib.nullcontext):
+    """Stands in for the kernel counter where none can run (compiled cases): records nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, int] = {}
+        self.bias: dict[str, list[str]] = {}
+
+
 def _attn_bias(func, args, kwargs):
     """The ``attn_bias`` argument of a cuDNN SDPA op call (forward or backward), by its schema name."""
     for index, argument in enumerate(func._schema.arguments):
@@ -602,7 +631,7 @@ def _ring_inference(model, inputs16, dispatch) -> dict[str, Any]:
     return {"patched": True, "shipped": "ok", "equal": bool(torch.equal(ours, theirs))}
 
 
-def _train(mode, model16, inputs16, target, steps, rec: _Warnings, dispatch) -> dict[str, Any]:
+def _train(mode, model16, inputs16, target, steps, rec: _Warnings, dispatch, stack=None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -622,14 +651,16 @@ def _train(mode, model16, inputs16, target, steps, rec: _Warnings, dispatch) -> 
         name: f"{getattr(dispatch, name).__module__}.{getattr(dispatch, name).__qualname__}"
         for name in ("_cudnn_attention_forward_op", "_cudnn_attention_backward_op")
     }
+    forward = _with_stack(model, stack, entry)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     names = [name for name, _ in model.named_parameters()]
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        counter = _kernel_counter()
+        # Not under compile: dynamo would run the whole step eagerly while a dispatch mode is active.
+        counter = _kernel_counter() if stack != "compile" else _NoCounter()
         try:
             with counter:
-                loss = _loss(model, inputs16, target)
+                loss = _loss(forward, inputs16, target)
                 loss.backward()
         except Exception as exc:
             entry.update(status="raised", step=step + 1, error=f"{type(exc).__name__}: {str(exc)[:1000]}")
@@ -662,4 +693,70 @@ def _train(mode, model16, inputs16, target, steps, rec: _Warnings, dispatch) -> 
         if step == 0:
             entry["grads"] = summed
     entry["our_warning_messages"] = rec.ours()[-5:]
+    if stack == "compile":
+        entry["dynamo"] = _dynamo_counts()
     return entry
+
+
+def _with_stack(model, stack: str | None, entry: dict[str, Any]):
+    """What the training step calls: ``model`` itself, with gradient checkpointing turned on, or compiled."""
+    import torch
+
+    entry["stack"] = stack
+    if stack is None:
+        return model
+    if stack == "checkpointing":
+        model.enable_gradient_checkpointing()
+        return model
+    if stack == "compile":
+        import torch._dynamo
+
+        torch._dynamo.reset()  # each compiled case starts from nothing: its graph counts are its own
+        torch._dynamo.utils.counters.clear()
+        graphs: dict[str, Any] = {"forward": [], "backward": []}
+        entry["graphs"] = graphs
+        return torch.compile(model, backend=_recording_aot_eager(graphs))
+    raise ValueError(stack)
+
+
+def _recording_aot_eager(graphs: dict[str, Any]):
+    """``aot_eager`` itself (``torch._dynamo.backends.debugging.aot_eager``: AOTAutograd, the default
+    partitioner of that backend, and graphs run as they are), with forward and backward compilers that first
+    note, per graph AOTAutograd produced, the SDPA ops in it and the dtype of each cuDNN call's ``attn_bias``.
+
+    A ``TorchDispatchMode`` cannot count the kernel calls here: dynamo does not compile a frame while such a
+    mode is active (it runs it eagerly), so the compiled cases are checked through their graphs instead."""
+    from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+
+    def recording(kind: str):
+        def compiler(gm, example_inputs):
+            ops: dict[str, int] = {}
+            bias: list[str] = []
+            for node in gm.graph.nodes:
+                if node.op != "call_function" or "scaled_dot_product" not in str(node.target):
+                    continue
+                name = next(part for part in str(node.target).split(".") if "scaled_dot_product" in part)
+                ops[name] = ops.get(name, 0) + 1
+                if "cudnn" in name:
+                    arg = _attn_bias(node.target, node.args, node.kwargs)
+                    value = arg.meta.get("val") if hasattr(arg, "meta") else arg
+                    bias.append("none" if value is None else str(value.dtype).replace("torch.", ""))
+            graphs[kind].append({"sdpa_ops": ops, "attn_bias": sorted(set(bias))})
+            return boxed_nop(gm, example_inputs)
+
+        return compiler
+
+    def backend(gm, example_inputs):
+        return aot_eager(gm, example_inputs, fw_compiler=recording("forward"), bw_compiler=recording("backward"))
+
+    return backend
+
+
+def _dynamo_counts() -> dict[str, Any]:
+    """How much of the step dynamo captured: graphs compiled, and the graph breaks by reason."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "unique_graphs": counters["stats"].get("unique_graphs", 0),
+        "graph_breaks": dict(counters["graph_break"]),
+    }

@@ -11,6 +11,10 @@ with a timeout (``DCF_LAUNCH_TIMEOUT``, default 90 s; a case takes 10-15 s): a h
 the hung process's stacks (faulthandler, 10 s before the timeout) in the failure, and the group is killed.
 The cases run side by side (``DCF_LAUNCH_JOBS``, default 8) on the one GPU. Raw JSON:
 ``launch-<version>-<order>-<state>.json``.
+
+Training stacks (``test_training_stack_*``): ``scenario_gpu_stacks.py`` per release (0.39.0, 0.42.1), a small
+QwenImage with padded prompts at world size 1 over NCCL, eager / inductor / autocast / checkpointing against
+fp32 (docs/cp-training-tests.md). Raw JSON: ``gpu-stacks-<version>.json``.
 """
 
 from __future__ import annotations
@@ -239,3 +243,96 @@ def test_launch_order(case: tuple[str, str, str], launch_results: dict[str, dict
     assert p["state"] == "passed", p
     assert "runs" in p, f"ProbeResult has no run count: {sorted(p)}"
     assert p["runs"] == 1, p
+
+
+# --- training stacks (#19): QwenImage with padded prompts, eager / compiled / autocast / checkpointing ----------
+
+#: Releases where a padded prompt's bool mask reaches the cuDNN CP op in the K/V's order (0.36.0 ignores the
+#: mask, 0.37.x cannot build it, 0.38.0's is refused: docs/cp-training-tests.md).
+STACK_RELEASES = ("0.39.0", "0.42.1")
+#: The CP training tests' tolerance (5%), or twice the same model's bf16 noise floor where that is larger
+#: (FlashAttention's rule: within 2x the low-precision reference's error).
+STACK_TOLERANCE = 0.05
+STACK_FLOOR_FACTOR = 2.0
+#: The control (the bool mask passed through) must be at least this far off.
+STACK_MISREAD_MIN = 0.10
+
+
+@pytest.fixture(scope="module", params=STACK_RELEASES)
+def stacks_result(request) -> dict:
+    version = request.param
+    result = run(release_dir(version), "import scenario_gpu_stacks as s; s.main()", timeout=420)
+    result.pop("_stderr", None)
+    folder = os.environ.get("DIFFUSERS_CUDNN_FIX_RESULTS")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        Path(folder, f"gpu-stacks-{version}.json").write_text(json.dumps(result, indent=1))
+    assert "fatal" not in result, result.get("traceback", result["fatal"])
+    return result
+
+
+def _stack_limit(result: dict, variant: str) -> float:
+    floor = result["references"]["floor_autocast" if "autocast" in variant else "floor_bf16"]["worst"]
+    return max(STACK_TOLERANCE, STACK_FLOOR_FACTOR * floor)
+
+
+def _assert_stack_right(result: dict, variant: str) -> None:
+    entry = result["variants"][variant]
+    assert entry["status"] == "ok", entry
+    compare = entry["compare"]
+    limit = _stack_limit(result, variant)
+    assert compare["worst"] <= limit and compare["out"] <= limit, (variant, compare, limit)
+    assert compare["loss"] <= 0.01, (variant, compare)
+    if "graphs" in entry:  # compiled: the cuDNN op pair was inside what dynamo handed the backend
+        ops = {
+            name: sum(graph.get(name, 0) for graph in entry["graphs"])
+            for name in ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward")
+        }
+        assert all(count > 0 for count in ops.values()), entry["graphs"]
+    else:  # eager: 2 attention layers per step, each forward twice with checkpointing
+        forward = 4 if "checkpointing" in variant else 2
+        assert entry["kernel_calls"] == {
+            "_scaled_dot_product_cudnn_attention": forward,
+            "_scaled_dot_product_cudnn_attention_backward": 2,
+        }, entry["kernel_calls"]
+        assert entry["qkv_dtypes"] == ["bfloat16/bfloat16/bfloat16"], entry["qkv_dtypes"]
+
+
+@pytest.mark.parametrize("variant", ["bf16 weights, eager", "bf16 weights, compiled", "bf16 weights, checkpointing"])
+def test_training_stack_qwen_padded(stacks_result: dict, variant: str) -> None:
+    """World size 1 over NCCL, diffusers' Ulysses attention and the cuDNN ops, the bool mask all-gathered and
+    converted: forward + backward within tolerance of fp32, eager, inductor-compiled and with checkpointing."""
+    _assert_stack_right(stacks_result, variant)
+
+
+@pytest.mark.parametrize("variant", ["fp32 weights, autocast, eager", "fp32 weights, autocast, compiled"])
+def test_training_stack_qwen_padded_autocast(stacks_result: dict, variant: str) -> None:
+    """fp32 weights under torch.autocast(cuda, bf16): QwenImage's RMSNorm hands attention fp32 q/k beside bf16
+    v, which the package casts to the autocast dtype as F.sdpa does; within tolerance of fp32."""
+    _assert_stack_right(stacks_result, variant)
+
+
+def test_training_stack_never_silently_wrong(stacks_result: dict) -> None:
+    """Every variant but the control is within tolerance or refused with UnsafeAttentionError."""
+    for variant, entry in stacks_result["variants"].items():
+        if "control" in variant:
+            continue
+        if entry["status"] == "raised":
+            assert entry["raised"] == "UnsafeAttentionError", (variant, entry)
+        else:
+            compare = entry["compare"]
+            assert compare["worst"] <= _stack_limit(stacks_result, variant), (variant, compare)
+    # Flux under autocast (recorded: CUDA's autocast runs torch.nn.RMSNorm, hence Flux's q/k, in fp32).
+    for variant, entry in stacks_result["flux_autocast"].items():
+        if entry["status"] == "raised":
+            assert entry["raised"] == "UnsafeAttentionError", ("flux", variant, entry)
+        else:
+            assert entry["compare"]["worst"] <= STACK_TOLERANCE, ("flux", variant, entry["compare"])
+
+
+def test_training_stack_control_is_far_off(stacks_result: dict) -> None:
+    """The bool mask passed through (mask mode warn): far off on the real kernel, so these tests see the bug."""
+    entry = stacks_result["variants"]["bf16 weights, eager, mask warn (control)"]
+    assert entry["status"] == "ok", entry
+    assert entry["compare"]["worst"] > STACK_MISREAD_MIN, entry["compare"]
+    assert stacks_result["status_ok"] is True
