@@ -409,6 +409,19 @@ def _meta_lse_ndim() -> int | None:
     return lse.dim() if isinstance(lse, torch.Tensor) else None
 
 
+def _difference(found: tuple[str, str] | None, known: tuple[str, str]) -> str:
+    """What differs between two (arguments, return types) signatures, in a few words."""
+    if found is None:
+        return "is missing"
+    got, want = found[0].split(", "), known[0].split(", ")
+    parts = [f"takes `{a}`" for a in got if a not in want] + [f"lacks `{a}`" for a in want if a not in got]
+    if not parts and got != want:
+        parts.append("takes its arguments in another order")
+    if found[1] != known[1]:
+        parts.append(f"returns ({found[1]})")
+    return ", ".join(parts)
+
+
 def aten_contract_problem(*ops: str) -> str | None:
     """Why the running torch's ATen ops behind ``ops`` (``CUDNN_FORWARD``, ...) are not the ones the corrected
     ops were written for, or None when they are: the one check every fix calling them consults."""
@@ -416,10 +429,9 @@ def aten_contract_problem(*ops: str) -> str | None:
     for name in names:
         found, known = aten_signature(name), ATEN_SIGNATURES[name]
         if found != known:
-            seen = "has no such op" if found is None else f"takes ({found[0]}) -> ({found[1]})"
             return (
-                f"torch {torch.__version__}'s aten::{name} {seen}; this package calls it as ({known[0]}) -> "
-                f"({known[1]}) and knows no other form"
+                f"torch {torch.__version__}'s aten::{name} {_difference(found, known)}, unlike every torch the "
+                "package was written for"
             )
     if "_scaled_dot_product_cudnn_attention" in names and _meta_lse_ndim() != cudnn_lse_ndim():
         return (
