@@ -291,6 +291,9 @@ def check_backward_layout(
         return Finding("absent", "the op pair does not exist in this diffusers")
     if not signature_matches(forward, FORWARD_PARAMS) or not backward_signature_ok(backward):
         return Finding("unknown", "the forward/backward op signatures differ from every known release")
+    problem = aten_contract_problem(forward_op, backward_op)
+    if problem is not None:
+        return Finding("unknown", problem)
     trace = run_pair(forward, backward, return_lse=True)
     fwd, bwd = trace.first(forward_op), trace.first(backward_op)
     if fwd is None or bwd is None:
@@ -323,6 +326,9 @@ def check_forward_lse(forward: Callable[..., Any] | None, *, forward_op: str) ->
         return Finding("absent", "the op does not exist in this diffusers")
     if not signature_matches(forward, FORWARD_PARAMS):
         return Finding("unknown", "the forward op's signature differs from every known release")
+    problem = aten_contract_problem(forward_op, CUDNN_BACKWARD if forward_op == CUDNN_FORWARD else FLASH_BACKWARD)
+    if problem is not None:
+        return Finding("unknown", problem)
     trace = run_pair(forward, None, return_lse=False)
     fwd = trace.first(forward_op)
     if fwd is None:
@@ -348,6 +354,91 @@ def cudnn_lse_ndim() -> int:
     torch 2.9 on; 3, (B, H, S), before (docs/kernel-facts.md). ``tests/test_detect.py`` checks the rule against
     the meta kernel of the torch in use, and the GPU probe runs the real kernels with this value."""
     return 4 if Version(torch.__version__).release[:2] >= (2, 9) else 3
+
+
+#: The four ATen ops as the corrected ops call them (by keyword): arguments, then return types, exactly as
+#: ``torch.ops.aten.<op>.default._schema`` spells them. Unchanged from torch 2.5 (the first with
+#: ``attn_bias`` / ``compute_log_sumexp``; docs/kernel-facts.md) through the newest the suite runs on. A torch
+#: whose ops differ in any of it gets no correction: the checks below say "unknown" (not applied).
+ATEN_SIGNATURES = {
+    "_scaled_dot_product_cudnn_attention": (
+        "Tensor query, Tensor key, Tensor value, Tensor? attn_bias, bool compute_log_sumexp, float dropout_p=0., "
+        "bool is_causal=False, bool return_debug_mask=False, *, float? scale=None",
+        "Tensor, Tensor, Tensor, Tensor, int, int, Tensor, Tensor, Tensor",
+    ),
+    "_scaled_dot_product_cudnn_attention_backward": (
+        "Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor logsumexp, Tensor philox_seed, "
+        "Tensor philox_offset, Tensor attn_bias, Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, "
+        "float dropout_p, bool is_causal, *, float? scale=None",
+        "Tensor, Tensor, Tensor",
+    ),
+    "_scaled_dot_product_flash_attention": (
+        "Tensor query, Tensor key, Tensor value, float dropout_p=0., bool is_causal=False, "
+        "bool return_debug_mask=False, *, float? scale=None",
+        "Tensor, Tensor, Tensor, Tensor, int, int, Tensor, Tensor, Tensor",
+    ),
+    "_scaled_dot_product_flash_attention_backward": (
+        "Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor logsumexp, Tensor cum_seq_q, "
+        "Tensor cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, Tensor philox_seed, "
+        "Tensor philox_offset, *, float? scale=None",
+        "Tensor, Tensor, Tensor",
+    ),
+}
+
+
+def aten_signature(name: str) -> tuple[str, str] | None:
+    """(arguments, return types) of ``aten::<name>``'s default overload in the running torch; None if absent."""
+    try:
+        schema = getattr(torch.ops.aten, name).default._schema
+    except (AttributeError, RuntimeError):
+        return None
+    arguments = str(schema).partition("(")[2].partition(") -> ")[0]
+    return arguments, ", ".join(str(ret.type) for ret in schema.returns)
+
+
+def _meta_lse_ndim() -> int | None:
+    """Dims of the log-sum-exp the cuDNN forward's meta kernel returns (no CUDA needed), or None if it fails."""
+    q = torch.empty(1, 1, 2, 8, device="meta", dtype=torch.bfloat16)
+    try:
+        lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            query=q, key=q, value=q, attn_bias=None, compute_log_sumexp=True,
+            dropout_p=0.0, is_causal=False, return_debug_mask=False, scale=None,
+        )[1]  # fmt: skip
+    except Exception:  # noqa: BLE001 - any failure means the contract is not the known one
+        return None
+    return lse.dim() if isinstance(lse, torch.Tensor) else None
+
+
+def _difference(found: tuple[str, str] | None, known: tuple[str, str]) -> str:
+    """What differs between two (arguments, return types) signatures, in a few words."""
+    if found is None:
+        return "is missing"
+    got, want = found[0].split(", "), known[0].split(", ")
+    parts = [f"takes `{a}`" for a in got if a not in want] + [f"lacks `{a}`" for a in want if a not in got]
+    if not parts and got != want:
+        parts.append("takes its arguments in another order")
+    if found[1] != known[1]:
+        parts.append(f"returns ({found[1]})")
+    return ", ".join(parts)
+
+
+def aten_contract_problem(*ops: str) -> str | None:
+    """Why the running torch's ATen ops behind ``ops`` (``CUDNN_FORWARD``, ...) are not the ones the corrected
+    ops were written for, or None when they are: the one check every fix calling them consults."""
+    names = [aten for aten, op in _WATCHED.items() if op in ops]
+    for name in names:
+        found, known = aten_signature(name), ATEN_SIGNATURES[name]
+        if found != known:
+            return (
+                f"torch {torch.__version__}'s aten::{name} {_difference(found, known)}, unlike every torch the "
+                "package was written for"
+            )
+    if "_scaled_dot_product_cudnn_attention" in names and _meta_lse_ndim() != cudnn_lse_ndim():
+        return (
+            f"torch {torch.__version__}'s cuDNN attention returns a log-sum-exp of {_meta_lse_ndim()} dims (meta "
+            f"kernel), not the {cudnn_lse_ndim()} this package expects of it"
+        )
+    return None
 
 
 def with_globals(fn: Callable[..., Any], **overrides: Any) -> Callable[..., Any]:

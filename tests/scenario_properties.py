@@ -99,6 +99,8 @@ PROFILES = {
     # name: hypothesis settings on top of the common ones in search() (registered as profiles of these names)
     "ci": {"max_examples": 800, "derandomize": True, "print_blob": False},  # bounded, the same examples every run
     "thorough": {"max_examples": 1500, "derandomize": False, "print_blob": True},  # a new seed each run
+    # .ci/run's torch legs (the oldest and newest torch): the same examples every run, a fraction of "ci"'s.
+    "short": {"max_examples": 150, "derandomize": True, "print_blob": False},
 }
 
 KINDS = ("SILENT WRONG RESULT", "UNCLEAR ERROR", "VALID INPUT REFUSED")

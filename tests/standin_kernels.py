@@ -89,15 +89,24 @@ def lse_is_4d(version: str | None = None) -> bool:
     backward started rejecting the 3-D form ("Stats dim is invalid"). ``version`` defaults to the
     running ``torch.__version__``; local tags such as ``+cpu`` or ``a0`` are ignored.
     """
+    return _torch_at_least((2, 9), version)
+
+
+def _torch_at_least(release: tuple[int, int], version: str | None = None) -> bool:
     text = str(torch.__version__ if version is None else version)
     match = re.match(r"\s*(\d+)\.(\d+)", text)
     if match is None:
         raise ValueError(f"cannot parse a torch version from {text!r}")
-    return (int(match.group(1)), int(match.group(2))) >= (2, 9)
+    return (int(match.group(1)), int(match.group(2))) >= release
 
 
 #: The cuDNN log-sum-exp layout of the running torch (``True``: ``(B, H, S_q, 1)``).
 LSE_IS_4D: bool = lse_is_4d()
+#: The cuDNN forward's output keeps query's memory order from torch 2.8 (``alloc_with_matching_layout``);
+#: before, it is a dense (B, H, S, D) tensor (the meta kernels of 2.5 - 2.7, docs/kernel-facts.md).
+CUDNN_OUT_MATCHES_QUERY: bool = _torch_at_least((2, 8))
+#: The flash forward's philox state: (2,) and () uint64 tensors from torch 2.7, 0-d int64 seed and offset before.
+FLASH_RNG_UINT64: bool = _torch_at_least((2, 7))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -412,6 +421,8 @@ def _alloc_with_matching_layout(query: torch.Tensor, shape: tuple[int, int, int,
     memory it comes back with strides [S*H*D, D, H*D, 1], so turning it back to (B, S, H, D) is free
     (docs/kernel-facts.md). Callers that assume a contiguous output are exposed by this.
     """
+    if not CUDNN_OUT_MATCHES_QUERY:
+        return torch.empty(shape, dtype=query.dtype, device=query.device)
     if tuple(query.shape) == tuple(shape):
         return torch.empty_like(query)
     strides = _dense_strides_in_order(shape, tuple(query.stride()))
@@ -620,9 +631,11 @@ def _flash_forward(
     out = torch.empty_like(query)  # flash's output keeps query's layout (meta: empty_like(query))
     out.copy_(out32)
     # Flash's log-sum-exp is (B, H, S_q) float32 on every torch version. rng_state / unused are the
-    # (2,) and () uint64 tensors of the meta kernel; the debug mask is an empty tensor of q.dtype.
-    rng_state = torch.empty((2,), dtype=torch.uint64)
-    unused = torch.empty((), dtype=torch.uint64)
+    # (2,) and () uint64 tensors of the meta kernel (0-d int64 before torch 2.7); the debug mask is an empty
+    # tensor of q.dtype.
+    rng_dtype = torch.uint64 if FLASH_RNG_UINT64 else torch.long
+    rng_state = torch.empty((2,) if FLASH_RNG_UINT64 else (), dtype=rng_dtype)
+    unused = torch.empty((), dtype=rng_dtype)
     debug_mask = torch.empty(0, dtype=query.dtype)
     return out, lse32.contiguous(), None, None, s_q, s_kv, rng_state, unused, debug_mask
 
