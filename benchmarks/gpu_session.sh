@@ -66,7 +66,7 @@ trust)
     RES=/tmp/dcf-results
     mkdir -p "$RES"
     [[ $STEPS == *" tests "* ]] && step tests "${DCF_TESTS_LIMIT:-220}" env DIFFUSERS_CUDNN_FIX_RESULTS=$RES \
-        python3 -m pytest tests/test_gpu.py tests/test_gpu_compile.py -q -p no:cacheprovider -rfE \
+        python3 -m pytest ${DCF_TEST_FILES:-tests/test_gpu.py tests/test_gpu_compile.py} -q -p no:cacheprovider -rfE \
         -k "not training_stack" 2>&1 | tee "$OUT/gpu-tests.log"
     # Training stacks (QwenImage with padded prompts: eager, inductor, autocast, checkpointing), under a limit
     # of their own: inductor compiles the model per release (raw JSON gpu-stacks-<release>.json).
