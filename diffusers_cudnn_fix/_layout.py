@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from . import _devices
+from ._warnings import UnsafeAttentionError
 
 #: cuDNN reads its operands in 16-byte vectors: a tensor whose data or whose strides are not on 16 bytes is
 #: read wrong, silently (docs/kernel-facts.md). A fresh allocation always is.
@@ -39,6 +40,24 @@ def realigned(x: torch.Tensor) -> torch.Tensor:
     if not torch.compiler.is_compiling() and x.data_ptr() % ALIGNMENT == 0:
         return x
     return x.clone(memory_format=torch.contiguous_format)
+
+
+def refuse_one_head_or_query_while_compiling(query: torch.Tensor) -> None:
+    """Inside a ``torch.compile`` graph, refuse q with one head or one query position (model layout).
+
+    On the H200 (inductor, torch 2.11) such calls of diffusers' cuDNN and flash context-parallel ops gave wrong
+    gradients in every random case drawn, while the same calls run eagerly were right (docs/behaviour.md). Raising
+    while tracing makes dynamo run the call eagerly; with ``fullgraph=True`` it is an error carrying this text.
+    """
+    if torch.compiler.is_compiling() and (query.shape[1] == 1 or query.shape[2] == 1):
+        raise UnsafeAttentionError(
+            f"diffusers_cudnn_fix: inside a torch.compile graph, diffusers' context-parallel cuDNN / flash attention "
+            f"with q of shape {tuple(query.shape)} (batch, sequence, heads, head dim: one head or one query position "
+            "per rank) gave wrong gradients on an H200, while the same call run eagerly is right. The package asks "
+            "for this call to run eagerly: without fullgraph=True dynamo does so (this call only); with "
+            "fullgraph=True, run the attention eagerly (torch.compiler.disable around it) or choose context-parallel "
+            "degrees that leave more than one head per rank."
+        )
 
 
 def to_kernel_layout(x: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ COMPILERS: dict[str, dict[str, Any] | None] = {
     "aot_eager": {"backend": "aot_eager", "fullgraph": True},
     "inductor": {"backend": "inductor", "fullgraph": True},
     "inductor-graph-breaks-allowed": {"backend": "inductor"},
+    "aot_eager-graph-breaks-allowed": {"backend": "aot_eager"},
     "max-autotune": {"backend": "inductor", "mode": "max-autotune-no-cudagraphs", "fullgraph": True},
 }
 GPU_BACKENDS = ("eager", "inductor", "inductor-graph-breaks-allowed", "max-autotune")
@@ -147,7 +148,7 @@ def run_all(fn: Any, inputs: tuple[Any, ...], masks: list[Any], layout: Any = No
         outs = fn(leaves, masks)
         sum((out.float() * inputs[3].float()).sum() for out in outs).backward()
     except Exception as exc:
-        return f"{type(exc).__name__}: {str(exc)[:300]}"
+        return f"{type(exc).__name__}: {str(exc)[:3000]}"
     return [
         {
             "out": out.detach().float().cpu(),

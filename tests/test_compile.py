@@ -24,12 +24,15 @@ from releases import release_dir, run
 
 pytestmark = pytest.mark.slow
 
+ONE_HEAD = "pair-odd-offset-h1"
+FULLGRAPH = ("aot_eager", "inductor")
+
 #: (release, import order, compiler settings).
 MATRIX = (
     ("0.36.0", "package_first", ("eager", "aot_eager")),
     ("0.37.0", "diffusers_first", ("eager", "aot_eager")),
     ("0.38.0", "package_first", ("eager", "aot_eager")),
-    ("0.39.0", "diffusers_first", ("eager", "aot_eager", "inductor")),
+    ("0.39.0", "diffusers_first", ("eager", "aot_eager", "inductor", "aot_eager-graph-breaks-allowed")),
     ("0.40.0", "diffusers_first", ("eager", "aot_eager")),
     ("0.42.1", "package_first", ("eager", "inductor")),
 )
@@ -46,7 +49,13 @@ def test_compiled_masked_attention_matches_eager(version: str, order: str, backe
     assert result["version"] == version and result["package"]
     cases = result["cases"]
     assert len(cases) == len(backends) * (2 * 7 + 2), sorted(cases)
-    bad = {name: case for name, case in cases.items() if case["status"] != "pass"}
+    # One head (or one query position) per rank inside a compiled graph gave wrong gradients on the H200, so the
+    # package refuses it while tracing: with fullgraph=True that is an error naming the cause; otherwise dynamo
+    # runs the call eagerly, and it is right.
+    refused = {name for name in cases if ONE_HEAD in name and name.split("/")[0] in FULLGRAPH}
+    for name in refused:
+        assert cases[name]["status"] == "raised" and "inside a torch.compile graph" in cases[name]["error"], cases[name]
+    bad = {name: case for name, case in cases.items() if case["status"] != "pass" and name not in refused}
     assert not bad, bad
     # Compiled code must give the eager answer: the stand-ins and the conversions are the same arithmetic.
     drift = {name: case["from_eager"] for name, case in cases.items() if case.get("from_eager", 0.0) > 1e-3}

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .. import _devices
-from .._layout import realigned
+from .._layout import realigned, refuse_one_head_or_query_while_compiling
 
 #: Looks at the inputs and returns the mask to pass on (the same one, a converted one), or raises.
 Check = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], "torch.Tensor | None"]
@@ -43,6 +43,7 @@ def guard_forward(inner: Callable[..., Any], check: Check) -> Callable[..., Any]
         **kwargs: Any,
     ) -> Any:
         _devices.on_cuda_call(query)  # the GPU probe, once per CUDA device (also where nothing is corrected)
+        refuse_one_head_or_query_while_compiling(query)
         # Under autocast, q/k/v in the autocast dtype, as F.scaled_dot_product_attention's autocast rule casts
         # them: the raw op has no such rule, and a model under autocast hands it fp32 q/k from its norms.
         if torch.is_autocast_enabled(query.device.type):

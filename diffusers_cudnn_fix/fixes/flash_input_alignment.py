@@ -29,7 +29,7 @@ import torch
 
 from .. import _detect, _devices
 from .._fix import Finding, Fix, Lookup
-from .._layout import ALIGNMENT, realigned
+from .._layout import ALIGNMENT, realigned, refuse_one_head_or_query_while_compiling
 
 TARGET = "_native_flash_attention_forward_op"
 
@@ -42,6 +42,7 @@ def aligned_inputs(inner: Callable[..., Any]) -> Callable[..., Any]:
         ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
     ) -> Any:
         _devices.on_cuda_call(query)  # the GPU probe, once per CUDA device
+        refuse_one_head_or_query_while_compiling(query)
         return inner(ctx, realigned(query), realigned(key), realigned(value), *args, **kwargs)
 
     native_flash_attention_forward_op.__doc__ = "diffusers' native-flash forward op, handed q/k/v on 16 bytes."
