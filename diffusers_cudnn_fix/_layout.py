@@ -35,8 +35,8 @@ def realigned(x: torch.Tensor) -> torch.Tensor:
     """``x``, or a dense copy of it where its data pointer is not on 16 bytes (a view at an odd offset, say:
     even a contiguous one, which ``.contiguous()`` would hand on as it is). On every device, so that the
     behavioural checks see on the CPU what the GPU kernels get. While compiling the pointer cannot be read, so
-    it is always a copy there (inductor allocates it aligned, and fuses it with the copy before it where there
-    is one)."""
+    it is always a copy there; inductor may still drop a copy it finds redundant, which is why the shapes where
+    a view reaches the kernel as it is (one head or one query position) are refused while compiling."""
     if not torch.compiler.is_compiling() and x.data_ptr() % ALIGNMENT == 0:
         return x
     return x.clone(memory_format=torch.contiguous_format)
