@@ -9,10 +9,10 @@ Three layers, cheapest first:
   diffusers' own forward from a stand-in of QwenImage's attention processor, per layout, eager and under
   ``torch.compile``; the layouts it cannot map are refused, naming the layout;
 - one training step of the tiny QwenImage with padded prompts of different lengths in one batch
-  (``scenario_cp_training``: ``QWEN_TEXT_MASK``), Ulysses degree 2 (2 gloo ranks; on 0.38.0 also degree 4,
-  4 ranks), no switch set: the summed gradients within 3 % of one process on 0.37.0, 0.38.0 and 0.39.0; the
-  control, the package with this fix skipped, far off (0.38.0) or refused by the stand-in kernel (0.37.0's
-  2-D mask). See docs/cp-training-tests.md, "QwenImage with padded prompts".
+  (``scenario_cp_training``: ``QWEN_TEXT_MASK``), Ulysses degree 2 (2 gloo ranks; on 0.38.0 also with
+  gradient checkpointing, and at degree 4 with 4 ranks), no switch set: the summed gradients within 3 % of
+  one process on 0.37.0, 0.38.0 and 0.39.0; the control, the package with this fix skipped, far off (0.38.0)
+  or refused by the stand-in kernel (0.37.0's 2-D mask). See docs/cp-training-tests.md, "QwenImage with padded prompts".
 """
 
 from __future__ import annotations
@@ -255,17 +255,18 @@ print(json.dumps({{"jobs": results}}))
 sys.stdout.flush()
 os._exit(0)
 """
-QWEN, QWEN4 = "qwen_ulysses", "qwen_ulysses4"
+QWEN, QWEN4, QWEN_CKPT = "qwen_ulysses", "qwen_ulysses4", "qwen_ulysses_ckpt"
 #: 0.37.x build the joint mask 2-D, (B, S): only diffusers' ``native`` backend reads it (as [B, 1, 1, S]);
 #: ``_native_math`` hands it to F.sdpa, which broadcasts it as (S_q, S_kv) and raises at batch 2.
 REFERENCE = {"0.37.0": "native", "0.38.0": "_native_math", "0.39.0": "_native_math"}
-#: Per release: Ulysses degree 2; on 0.38.0 also degree 4 and the control (this fix skipped).
+#: Per release: Ulysses degree 2; on 0.38.0 also with gradient checkpointing (each block's forward, the reorder
+#: included, re-run inside the backward) and at degree 4; on 0.37.0 and 0.38.0 the control (this fix skipped).
 DEGREE_4 = ("0.38.0",)
 CONTROL = ("0.37.0", "0.38.0")
 
 
 def _train_jobs(version: str) -> list:
-    jobs = [({"package": True, "modes": (QWEN,)}, None)]
+    jobs = [({"package": True, "modes": (QWEN, QWEN_CKPT) if version in DEGREE_4 else (QWEN,)}, None)]
     if version in CONTROL:
         jobs.append(({"package": True, "modes": (QWEN,)}, "qwen_joint_mask_order"))
     if version in DEGREE_4:
@@ -276,11 +277,12 @@ def _train_jobs(version: str) -> list:
 def _assert_trained_right(result: dict, mode: str, world: int, record_property) -> None:
     entries = modes(result, mode)
     assert len(entries) == world
+    forward_calls = 4 if mode == QWEN_CKPT else 2  # checkpointing runs each block's forward twice
     for entry in entries:
         assert entry["status"] == "ok", describe(entry)
         assert entry["cp"]["ulysses_degree"] == world, entry["cp"]
         for calls in entry["kernel_calls"]:  # both blocks through the cuDNN ops, forward and backward
-            assert calls.get("_scaled_dot_product_cudnn_attention") == 2, calls
+            assert calls.get("_scaled_dot_product_cudnn_attention") == forward_calls, calls
             assert calls.get("_scaled_dot_product_cudnn_attention_backward") == 2, calls
     rank0 = entries[0]
     record_property(f"worst_rel_err_{mode}", worst(rank0))
@@ -307,6 +309,7 @@ def test_padded_qwen_trains_right_under_ulysses(version: str, record_property) -
         _check_job(version, True, None, result)
     _assert_trained_right(results[(2, None)], QWEN, 2, record_property)
     if version in DEGREE_4:
+        _assert_trained_right(results[(2, None)], QWEN_CKPT, 2, record_property)
         _assert_trained_right(results[(4, None)], QWEN4, 4, record_property)
     if version in CONTROL:
         rank0 = modes(results[(2, "qwen_joint_mask_order")], QWEN)[0]
