@@ -28,6 +28,7 @@ CORRECTIONS = (
     "ulysses_grad_count",
     "ring_backward",
     "ring_grad_route",
+    "qwen_joint_mask_order",
 )
 GUARDS = (
     "cudnn_bool_mask",
@@ -35,7 +36,6 @@ GUARDS = (
     "cudnn_masked_row_grads",
     "flash_input_alignment",
     "ulysses_mask_grad",
-    "qwen_joint_mask_order",
 )
 
 

@@ -1,32 +1,39 @@
 """QwenImage's joint attention mask meets Ulysses' K/V in another token order: padded prompts train wrong.
 
-Bug: QwenImage builds its joint attention mask once per forward, full length, in the global token order
-[all text, all image]. Its context-parallel plan shards the text and the image streams separately, so each
-rank's joint sequence is [its text, its image]; Ulysses attention gathers K/V in rank order
-[text_0, image_0, text_1, image_1, ...] and hands the op the mask as it came. With padded prompts the mask
-then masks image tokens and lets padding through: wrong outputs and gradients, silently, on every attention
-backend (a two-process training step of a tiny QwenImage with padded prompts: 194 % off one process on
-0.38.0, docs/cp-training-tests.md). diffusers 0.39.0 fixed it upstream: the plan shards the mask with the
-sequence and Ulysses all-gathers a sequence-local mask, so both follow the same order.
+Bug: QwenImage (0.37.0 - 0.38.0) builds its joint attention mask once per forward, full length, in the
+global token order [all text, all image]. Its context-parallel plan shards the text and the image streams
+separately, so each rank's joint sequence is [its text, its image]; Ulysses attention all-to-alls q/k/v
+into rank order [text_0, image_0, text_1, image_1, ...] and hands the op the mask as it came. With padded
+prompts the mask then masks image tokens and lets padding through: wrong outputs and gradients, silently,
+on every attention backend (a two-process training step of a tiny QwenImage with padded prompts: 194 % off
+one process on 0.38.0, docs/cp-training-tests.md). 0.37.x also build the mask 2-D, (B, S), which only
+diffusers' ``native`` backend reads as a key-padding mask. diffusers 0.39.0 fixed it upstream: the plan
+shards the mask with the sequence and Ulysses all-gathers a sequence-local mask, so both follow one order.
+(0.36.0's attention processor never reads ``encoder_hidden_states_mask``: no mask reaches attention.)
 
-Releases: those whose Ulysses attention hands the op the mask as it came, 0.36.0 to 0.38.0 (on 0.37.x a
-padded prompt already fails inside diffusers, in one process too).
+Releases: those whose Ulysses attention hands the op the mask as it came, 0.36.0 to 0.38.0.
 
 Detection: run diffusers' own ``TemplatedUlyssesAttention.forward`` (the innermost function, Ulysses degree
 2, stand-in collectives) with a padded sequence-local mask: ok where it gathers the mask into the K/V's
 order before the op (0.39+). Where it hands the mask on as it came, call the installed forward from a
-stand-in of QwenImage's module whose plan does not shard the mask: ok where that is refused, broken where it
-goes on into diffusers' code.
+stand-in of QwenImage's attention processor with a padded full-length mask in the global order, and read the
+mask that reaches diffusers' own forward (the call stops where that forward asks for its process group):
+ok where it is in the K/V's rank order (or refused), broken where it is the mask as it came.
 
-Replacement: the installed forward behind a check that raises :class:`UnsafeAttentionError`, naming the
-cause and the ways out, when a mask that masks something reaches it at Ulysses degree > 1 from QwenImage's
-attention (the calling frame's module) and that module's ``QwenImageTransformer2DModel._cp_plan`` does not
-shard ``encoder_hidden_states_mask``. Every other call passes through untouched: a model that shards one
-sequence gets its mask in the right order from this Ulysses, and a QwenImage mask without padding masks
-nothing. Whether the mask masks anything is read once per mask object and version (one device sync, not one
-per layer). Inside a ``torch.compile`` graph neither the caller nor the mask can be read: there any mask at
-Ulysses degree > 1 with QwenImage's unsharding plan loaded makes dynamo run that call eagerly, where the check
-above decides (with ``fullgraph=True`` it is an error naming the cause).
+Replacement: the installed forward, which first puts a mask coming from QwenImage's attention processor (the
+calling frame's module) at Ulysses degree > 1 into the K/V's order, when its last dimension is the joint
+sequence (the local q/k length times the degree): :func:`rank_ordered_mask` permutes the key dimension, and
+the query dimension of a [B, 1, S, S] mask, from [text, image] into [text_0, image_0, text_1, image_1, ...];
+a 2-D (B, S) mask (0.37.x) is read as the key-padding mask diffusers' ``native`` backend makes of it. The
+text length per rank is the processor's ``seq_txt`` (its ``encoder_hidden_states``' length), the image length
+the rest of the local sequence. The reordered mask is kept per mask object and version, so a mask reused by
+every layer is reordered once (and the cuDNN mask conversion, which caches by object, converts it once).
+A mask this cannot map (a per-head or 3-D mask, a sequence-local mask this Ulysses would not gather, lengths
+it cannot read) is refused with :class:`UnsafeAttentionError` naming the layout, if it masks anything (read
+once per mask object and version); one that masks nothing passes as it came. Every call from another model
+passes untouched. Inside a ``torch.compile`` graph the calling frame cannot be read: there any mask at
+Ulysses degree > 1 with QwenImage's unsharding plan loaded makes dynamo run that call eagerly, where the
+reorder happens (with ``fullgraph=True`` it is an error naming the cause).
 
 Revert: the class's original ``forward`` staticmethod is put back (the registry keeps it).
 """
@@ -57,28 +64,65 @@ _CONFIG_AFTER_MASK = 7
 #: autograd and this package; a deeper caller is not the processor.
 _MAX_FRAMES = 16
 _PASS_THROUGH = ("diffusers.models.attention_dispatch", "torch", "diffusers_cudnn_fix", "functools")
+#: The processor's local holding its (rank-local) text length, in every release with the processor.
+_TEXT_LEN_LOCAL = "seq_txt"
 
 MESSAGE = (
     "diffusers_cudnn_fix: QwenImage's joint attention mask reached diffusers' Ulysses attention (Ulysses degree "
-    "{degree}) in the global token order [text, image], while this diffusers' QwenImage context-parallel plan "
-    "shards text and image separately, so the K/V arrive in rank order [text_0, image_0, text_1, ...]: with "
-    "padded prompts the mask would hide image tokens and let padding through, and the gradients would be "
-    "silently wrong (on every attention backend). diffusers 0.39.0 fixed this upstream: upgrade diffusers, or "
-    "train with prompts of one length (no padding, encoder_hidden_states_mask=None), or without context "
+    "{degree}) as {layout}, which the package cannot put into the order of the K/V Ulysses hands the op (rank "
+    "order [text_0, image_0, text_1, ...], while the mask is in the global order [text, image]): with padded "
+    "prompts the mask would hide image tokens and let padding through, and the gradients would be silently "
+    "wrong (on every attention backend). The package reorders QwenImage's own joint mask ([B, 1, 1, S], "
+    "[B, 1, S, S] or 2-D (B, S), S the joint length). diffusers 0.39.0 fixed this upstream: upgrade diffusers, "
+    "or train with prompts of one length (no padding, encoder_hidden_states_mask=None), or without context "
     "parallelism."
 )
 
 COMPILE_MESSAGE = (
     "diffusers_cudnn_fix: a mask reached diffusers' Ulysses attention (Ulysses degree {degree}) inside a "
     "torch.compile graph, with QwenImage loaded in a diffusers whose QwenImage plan hands its joint mask to Ulysses "
-    "in the wrong token order (padded prompts would train silently wrong). While compiling, the package cannot "
-    "tell which model calls or whether the mask pads anything, so it asks for this call to run eagerly, where it "
-    "can: compile without fullgraph=True (only this call then runs eagerly), upgrade diffusers to >= 0.39.0, or "
-    "pass encoder_hidden_states_mask=None."
+    "in another token order than the K/V (padded prompts would train silently wrong). While compiling, the "
+    "package cannot tell which model calls or where its text ends, so it asks for this call to run eagerly, "
+    "where it puts the mask into the K/V's order: compile without fullgraph=True (only this call then runs "
+    "eagerly), upgrade diffusers to >= 0.39.0, or pass encoder_hidden_states_mask=None."
 )
+
+
+def rank_ordered_mask(mask: torch.Tensor, text_len: int, image_len: int, degree: int) -> torch.Tensor:
+    """QwenImage's joint mask in the token order Ulysses hands the attention op.
+
+    ``mask`` is 4-D, [B or 1, 1, 1 or S, S] with S = ``text_len + image_len``, in the global order
+    [text, image] (the order of one process). Under Ulysses of degree ``degree`` each rank holds
+    [its text shard, its image shard] (each stream split in ``degree`` equal parts, rank ``r`` holding the
+    ``r``-th), and the all-to-all lays q/k/v out in rank order [text_0, image_0, text_1, image_1, ...]. The
+    result is ``mask`` with its key dimension (and its query dimension, where that is S) in that order. Only
+    views and one ``cat`` per dimension: no host sync, and it traces under ``torch.compile``.
+
+    Raises ``ValueError`` where the shape or the lengths do not fit.
+    """
+    length = text_len + image_len
+    if degree < 1 or text_len < 0 or image_len < 0 or text_len % degree or image_len % degree:
+        raise ValueError(
+            f"text length {text_len} and image length {image_len} must both split into {degree} equal parts"
+        )
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] != length or mask.shape[-2] not in (1, length):
+        raise ValueError(f"expected a [B, 1, 1 or {length}, {length}] mask, got {tuple(mask.shape)}")
+    out = _rank_order(mask, 3, text_len, image_len, degree)
+    if mask.shape[-2] == length and length > 1:
+        out = _rank_order(out, 2, text_len, image_len, degree)
+    return out
+
+
+def _rank_order(x: torch.Tensor, dim: int, text_len: int, image_len: int, degree: int) -> torch.Tensor:
+    text = x.narrow(dim, 0, text_len).unflatten(dim, (degree, text_len // degree))
+    image = x.narrow(dim, text_len, image_len).unflatten(dim, (degree, image_len // degree))
+    return torch.cat([text, image], dim=dim + 1).flatten(dim, dim + 1)
+
 
 # The last mask read: (the mask, weakly; its version counter; whether it masks anything).
 _last: tuple[weakref.ref[torch.Tensor], int, bool] | None = None
+# The last reorder: (the mask, weakly; its version counter; text and image length and degree; the result).
+_last_order: tuple[weakref.ref[torch.Tensor], int, tuple[int, int, int], torch.Tensor] | None = None
 
 
 def _masks_something(mask: torch.Tensor) -> bool:
@@ -93,6 +137,25 @@ def _masks_something(mask: torch.Tensor) -> bool:
     if not mask.is_inference():  # an inference tensor has no version counter
         _last = (weakref.ref(mask), mask._version, masks)
     return masks
+
+
+def _reordered(mask: torch.Tensor, text_len: int, image_len: int, degree: int) -> torch.Tensor:
+    """:func:`rank_ordered_mask` of ``mask`` (2-D (B, S) read as [B, 1, 1, S]), once per mask object and version."""
+    global _last_order
+    key = (text_len, image_len, degree)
+    last = _last_order
+    if last is not None and last[0]() is mask and last[1] == mask._version and last[2] == key:
+        return last[3]
+    full = mask[:, None, None, :] if mask.dim() == 2 else mask
+    ordered = rank_ordered_mask(full, text_len, image_len, degree)
+    if not mask.is_inference():  # an inference tensor has no version counter
+        _last_order = (weakref.ref(mask, _forget), mask._version, key, ordered)
+    return ordered
+
+
+def _forget(_: object) -> None:
+    global _last_order
+    _last_order = None  # the source mask is gone: do not keep its reorder alive
 
 
 @torch.compiler.assume_constant_result
@@ -110,22 +173,58 @@ def _plan_shards_the_mask(plan: Any) -> bool:
     return any(isinstance(entry, Mapping) and MASK_INPUT in entry for entry in plan.values())
 
 
-def _qwen_caller(frame: types.FrameType | None) -> dict[str, Any] | None:
-    """The globals of QwenImage's module if it made this call (through dispatch, autograd and this package)."""
+def _qwen_frame(frame: types.FrameType | None) -> types.FrameType | None:
+    """The frame of QwenImage's module that made this call (through dispatch, autograd and this package)."""
     for _ in range(_MAX_FRAMES):
         if frame is None:
             return None
         name = frame.f_globals.get("__name__", "")
         if name == QWEN_MODULE:
-            return frame.f_globals
+            return frame
         if not name.startswith(_PASS_THROUGH):
             return None
         frame = frame.f_back
     return None
 
 
-def refusing_unordered_qwen_masks(shipped: Callable[..., Any]) -> Callable[..., Any]:
-    """``shipped`` (``TemplatedUlyssesAttention.forward``) refusing QwenImage's unsharded joint mask."""
+def _text_len_local(frame: types.FrameType) -> int | None:
+    """The rank-local text length from the processor's locals (``seq_txt``, else its ``encoder_hidden_states``)."""
+    local = frame.f_locals
+    text = local.get(_TEXT_LEN_LOCAL)
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    stream = local.get("encoder_hidden_states")
+    if isinstance(stream, torch.Tensor) and stream.dim() >= 2:
+        return int(stream.shape[1])
+    return None
+
+
+def _layout_problem(
+    mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor, degree: int, text_local: int | None
+) -> str | None:
+    """Why ``mask`` cannot be put into the K/V's order (a phrase for :data:`MESSAGE`), or None."""
+    local, joint = key.shape[1], key.shape[1] * degree
+    shape = tuple(mask.shape)
+    if mask.shape[-1] == local and local != joint:
+        return f"a sequence-local mask {shape}, which this diffusers' Ulysses attention does not gather"
+    if mask.shape[-1] != joint:
+        return f"a mask {shape} whose last dimension is not the joint sequence length {joint}"
+    if query.shape[1] != local:
+        return f"a mask {shape} with {query.shape[1]} local query positions against {local} key positions"
+    if mask.dim() == 2:
+        if mask.shape[0] not in (1, query.shape[0]):
+            return f"a 2-D mask {shape} whose first dimension is not the batch ({query.shape[0]})"
+    elif mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] not in (1, joint):
+        return f"a mask {shape} (per head, or neither [B, 1, 1, S] nor [B, 1, S, S])"
+    if text_local is None:
+        return f"a mask {shape} from a QwenImage processor whose text length could not be read (no `seq_txt`)"
+    if not 0 <= text_local <= local:
+        return f"a mask {shape} with a text length {text_local} outside the local sequence {local}"
+    return None
+
+
+def ordering_qwen_masks(shipped: Callable[..., Any]) -> Callable[..., Any]:
+    """``shipped`` (``TemplatedUlyssesAttention.forward``) with QwenImage's joint mask put into the K/V's order."""
 
     @functools.wraps(shipped)  # keeps the signature, which the other Ulysses fixes read
     def forward(
@@ -143,18 +242,29 @@ def refusing_unordered_qwen_masks(shipped: Callable[..., Any]) -> Callable[..., 
                     if _unsharded_qwen_loaded():
                         raise UnsafeAttentionError(COMPILE_MESSAGE.format(degree=degree))
                 else:
-                    caller = _qwen_caller(sys._getframe(1))
-                    model = caller.get(QWEN_MODEL) if caller is not None else None
-                    if (
-                        model is not None
-                        and not _plan_shards_the_mask(getattr(model, "_cp_plan", None))
-                        and _masks_something(attn_mask)
-                    ):
-                        raise UnsafeAttentionError(MESSAGE.format(degree=degree))
+                    frame = _qwen_frame(sys._getframe(1))
+                    if frame is not None:
+                        attn_mask = _in_kv_order(attn_mask, query, key, degree, frame)
+                    del frame
         return shipped(ctx, query, key, value, attn_mask, *args, **kwargs)
 
-    forward.__doc__ = "diffusers' Ulysses forward, refusing QwenImage's joint mask where it is in the wrong order."
+    forward.__doc__ = "diffusers' Ulysses forward, with QwenImage's joint mask put into the K/V's token order first."
     return forward
+
+
+def _in_kv_order(
+    mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor, degree: int, frame: types.FrameType
+) -> torch.Tensor:
+    """QwenImage's ``mask`` in the K/V's rank order; :class:`UnsafeAttentionError` where that cannot be done and
+    the mask masks something; the mask as it came where it masks nothing."""
+    text_local = _text_len_local(frame)
+    problem = _layout_problem(mask, query, key, degree, text_local)
+    if problem is None and text_local is not None:
+        image_local = key.shape[1] - text_local
+        return _reordered(mask, text_local * degree, image_local * degree, degree)
+    if _masks_something(mask):
+        raise UnsafeAttentionError(MESSAGE.format(degree=degree, layout=problem))
+    return mask
 
 
 class _ReachedOp(Exception):
@@ -164,20 +274,23 @@ class _ReachedOp(Exception):
 
 
 class _ReachedCollectives(Exception):
-    """The forward asked for its process group: it went on to diffusers' code without refusing."""
+    """The forward asked for its process group: it went on to diffusers' code."""
 
 
 def _raise_reached_collectives() -> Any:
     raise _ReachedCollectives
 
 
-def _call(forward: Any, args: tuple[Any, ...]) -> Any:
-    """Calls ``forward``; the check runs a copy whose module globals look like QwenImage's (the refusal reads
-    the calling frame's module)."""
+def _call(forward: Any, args: tuple[Any, ...], seq_txt: int) -> Any:
+    """Calls ``forward``; the check runs a copy whose module globals look like QwenImage's (the reorder reads
+    the calling frame's module) and whose locals carry the processor's text length, as QwenImage's do."""
     return forward(*args)
 
 
-_BATCH, _SEQ, _HEADS, _DIM, _WORLD = 1, 4, 2, 8, 2
+_BATCH, _HEADS, _DIM, _WORLD = 1, 2, 8, 2
+#: Per rank: 2 text + 2 image tokens; globally 4 + 4.
+_TEXT_LOCAL, _IMAGE_LOCAL = 2, 2
+_SEQ = _TEXT_LOCAL + _IMAGE_LOCAL
 
 
 def _padded_local_mask() -> torch.Tensor:
@@ -189,10 +302,22 @@ def _padded_local_mask() -> torch.Tensor:
     return mask
 
 
+def _padded_global_mask() -> tuple[torch.Tensor, torch.Tensor]:
+    """QwenImage's joint mask for degree 2 in the global order [text, image], the last text token padded, and
+    the same mask in the K/V's rank order, position by position (rank r's text, then rank r's image)."""
+    text, image = _TEXT_LOCAL * _WORLD, _IMAGE_LOCAL * _WORLD
+    mask = torch.ones(_BATCH, 1, 1, text + image, dtype=torch.bool)
+    mask[..., text - 1] = False
+    order: list[int] = []
+    for rank in range(_WORLD):
+        order += range(rank * _TEXT_LOCAL, (rank + 1) * _TEXT_LOCAL)
+        order += range(text + rank * _IMAGE_LOCAL, text + (rank + 1) * _IMAGE_LOCAL)
+    return mask, mask[..., order]
+
+
 def _qwen_call(forward: Any, mesh: Any, mask: torch.Tensor) -> None:
-    """Calls ``forward`` at Ulysses degree 2 with ``mask`` from a QwenImage stand-in whose plan does not shard
-    the mask; raises what the forward raises. The attention op raises :class:`_ReachedOp` with the mask it
-    got."""
+    """Calls ``forward`` at Ulysses degree 2 with ``mask`` from a stand-in of QwenImage's attention processor;
+    raises what the forward raises. The attention op raises :class:`_ReachedOp` with the mask it got."""
 
     def forward_op(ctx: Any, query: Any, key: Any, value: Any, attn_mask: Any, *args: Any, **kwargs: Any) -> Any:
         raise _ReachedOp(attn_mask)
@@ -204,12 +329,12 @@ def _qwen_call(forward: Any, mesh: Any, mask: torch.Tensor) -> None:
     parallel_config = types.SimpleNamespace(context_parallel_config=config)
     args = (types.SimpleNamespace(), q, k, v, mask, 0.0, False, None, False, False, forward_op, None, parallel_config)
     with torch.no_grad():  # as inside autograd.Function.forward
-        call_from_qwen(forward, args)
+        call_from_qwen(forward, args, _TEXT_LOCAL)
 
 
 def _shipped_gathers(shipped: Any) -> bool | str:
     """Whether diffusers' own forward (the innermost, run with stand-in collectives) gathers a sequence-local
-    mask before the op; a text if it cannot be run."""
+    mask before the op (False where it hands the op the very mask it got); a text if it cannot be run."""
 
     def all_gather(out: list[torch.Tensor], tensor: torch.Tensor, group: Any = None) -> None:
         for part in out:
@@ -222,40 +347,65 @@ def _shipped_gathers(shipped: Any) -> bool | str:
     try:
         _qwen_call(_detect.with_globals(shipped, **stand_ins), _detect.FAKE_MESH, mask)
     except _ReachedOp as reached:
-        return reached.mask is not mask
+        if reached.mask is mask:
+            return False
+        if isinstance(reached.mask, torch.Tensor) and reached.mask.shape[-1] == _SEQ * _WORLD:
+            return True
+        return f"the op got {getattr(reached.mask, 'shape', reached.mask)} for a local mask of {_SEQ} positions"
     except Exception as exc:  # noqa: BLE001 - an unknown build: say so
         return f"{type(exc).__name__}: {exc}"
     return "the forward returned without calling the attention op"
+
+
+def _mask_entering_shipped(forward: Any, shipped: Any, mask: torch.Tensor) -> torch.Tensor | str:
+    """The mask diffusers' own forward receives when the installed ``forward`` is called from QwenImage's
+    stand-in with ``mask`` (read off diffusers' frame where it asks for its process group); a text if not."""
+    try:
+        _qwen_call(forward, types.SimpleNamespace(get_group=_raise_reached_collectives), mask)
+    except _ReachedCollectives as stop:
+        tb = stop.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code is getattr(shipped, "__code__", None):
+                entering = tb.tb_frame.f_locals.get("attn_mask")
+                return entering if isinstance(entering, torch.Tensor) else f"it received {entering!r}"
+            tb = tb.tb_next
+        return "diffusers' own forward was not reached"
+    except _ReachedOp:
+        return "the op was reached without diffusers' own forward asking for its process group"
+    return "the forward returned without asking for its process group"
 
 
 def check(lookup: Lookup) -> Finding:
     forward = lookup(TARGET)
     if forward is None:
         return Finding("absent", "this diffusers has no TemplatedUlyssesAttention")
-    gathers = _shipped_gathers(inspect.unwrap(forward))
+    shipped = inspect.unwrap(forward)
+    gathers = _shipped_gathers(shipped)
     if isinstance(gathers, str):
         return Finding("unknown", f"the Ulysses forward could not be run in one process ({gathers})")
     if gathers:
         return Finding("ok", "Ulysses gathers a sequence-local mask into the K/V's order before the op")
-    # diffusers' forward hands the op the mask as it came. Is it refused before that, from QwenImage? The
-    # stand-in mesh stops the call where diffusers' code asks for its process group.
+    # diffusers' forward hands the op the mask as it came: what reaches it from QwenImage's processor?
+    mask, expected = _padded_global_mask()
     try:
-        _qwen_call(forward, types.SimpleNamespace(get_group=_raise_reached_collectives), _padded_local_mask())
+        entering = _mask_entering_shipped(forward, shipped, mask)
     except UnsafeAttentionError:
         return Finding("ok", "QwenImage's joint mask, which Ulysses would hand on in another token order, is refused")
-    except (_ReachedCollectives, _ReachedOp):
-        pass
     except Exception as exc:  # noqa: BLE001 - an unknown build: say so
         return Finding("unknown", f"the Ulysses forward could not be run in one process ({type(exc).__name__}: {exc})")
+    if isinstance(entering, str):
+        return Finding("unknown", f"the Ulysses forward could not be run in one process ({entering})")
+    if entering.shape == expected.shape and torch.equal(entering, expected):
+        return Finding("ok", "QwenImage's joint mask reaches Ulysses in the K/V's rank order")
     return Finding(
         "broken",
-        "Ulysses hands the attention op the mask as it came, in global token order, while QwenImage's joint K/V "
-        "arrive in rank order",
+        "Ulysses hands the attention op QwenImage's joint mask in the global token order [text, image], while "
+        "the K/V arrive in rank order [text_0, image_0, text_1, ...]",
     )
 
 
 def build(lookup: Lookup) -> Mapping[str, Any]:
-    return {TARGET: staticmethod(refusing_unordered_qwen_masks(lookup(TARGET)))}
+    return {TARGET: staticmethod(ordering_qwen_masks(lookup(TARGET)))}
 
 
 FIX = Fix(
@@ -266,5 +416,5 @@ FIX = Fix(
     targets=(TARGET,),
     check=check,
     build=build,
-    kind="guard",
+    kind="correction",
 )
