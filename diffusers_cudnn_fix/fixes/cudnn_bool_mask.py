@@ -270,7 +270,7 @@ def converting_ulysses_masks(shipped: Any) -> Any:
 
 
 def build(lookup: Lookup) -> Mapping[str, Any]:
-    guarded = guard_forward(lookup(TARGET), mask_policy)
+    guarded = guard_forward(lookup(TARGET), mask_policy, key_padding=True)
     guarded.mask_policy = mask_policy  # type: ignore[attr-defined]  # read by the Ulysses wrapper
     replacements: dict[str, Any] = {TARGET: guarded}
     ulysses = lookup(ULYSSES)
