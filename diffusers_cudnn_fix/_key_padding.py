@@ -121,7 +121,8 @@ def trim(
     save_ctx = args[5] if len(args) > 5 else kwargs.get("_save_ctx", True)
     if save_ctx and not getattr(getattr(ctx, "backward_op", None), RESTORES, False):
         return key, value, mask  # the backward that will run could not scatter the K/V gradients back
-    if _switches.mask_mode() != "convert":  # warn: as upstream; error: bool masks never get here
+    # Only in convert mode (warn: as upstream; error: bool masks never get here); mask_mode() without its frame.
+    if _switches._choice(_switches.MASK_VAR) != "convert":
         return key, value, mask
     entry = _plans.get(id(given))
     if entry is not None and entry[0]() is given and entry[1] == given._version and entry[2] == mask.dtype:
