@@ -11,188 +11,28 @@ masks".
 from __future__ import annotations
 
 import types
-from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from releases import release_dir, run
+from scenario_key_padding import (
+    CASES,
+    MASK_KINDS,
+    MASK_SHAPES,
+    Seen,
+    assert_same_as_biased,
+    case_keep_rows,
+    golden,
+    inputs,
+    keep_rows_of,
+    make_mask,
+    run_pair,
+)
 
 import diffusers_cudnn_fix
 
 pytestmark = pytest.mark.filterwarnings("ignore::diffusers_cudnn_fix.MaskConvertedWarning")
-
-FORWARD = "_scaled_dot_product_cudnn_attention"
-SYNC_OPS = ("_local_scalar_dense", "nonzero")
-CONFIG = types.SimpleNamespace(
-    context_parallel_config=types.SimpleNamespace(_world_size=2, ring_degree=1, ulysses_degree=2)
-)
-MASK_SHAPES = ("key", "rows", "heads_rows", "shared")
-MASK_KINDS = ("bool", "float32", "bfloat16")
-
-
-class Seen:
-    """A dispatch mode recording the cuDNN forward kernel's K length and bias, and host syncs outside kernels."""
-
-    def __init__(self) -> None:
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        seen = self
-        self.kernels: list[tuple[int, tuple[int, ...] | None]] = []
-        self.syncs = 0
-        self.inside = False
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                name = func._schema.name.split("::")[-1]
-                if name.startswith("_scaled_dot_product_cudnn_attention"):
-                    if name == FORWARD:
-                        bias = kwargs.get("attn_bias", args[3] if len(args) > 3 else None)
-                        key = kwargs.get("key", args[1] if len(args) > 1 else None)
-                        seen.kernels.append((key.shape[2], None if bias is None else tuple(bias.shape)))
-                    seen.inside = True
-                    try:
-                        return func(*args, **kwargs)
-                    finally:
-                        seen.inside = False
-                if name in SYNC_OPS and not seen.inside:
-                    seen.syncs += 1
-                return func(*args, **kwargs)
-
-        self._mode = Mode()
-        self._tolist = torch.Tensor.tolist
-
-    def __enter__(self) -> Seen:
-        import torch
-
-        tolist = self._tolist
-
-        def counting_tolist(tensor):
-            if not self.inside:
-                self.syncs += 1
-            return tolist(tensor)
-
-        torch.Tensor.tolist = counting_tolist
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        import torch
-
-        self._mode.__exit__(*exc)
-        torch.Tensor.tolist = self._tolist
-
-
-def run_pair(module, q, k, v, mask, grad_out, *, restoring: bool = True, config=CONFIG, dropout: float = 0.0):
-    """out, dq, dk, dv of the installed op pair, and what the kernel saw. ``restoring``: set ``ctx.backward_op``
-    to the installed backward op before the forward op runs, as diffusers' templated classes do."""
-    import torch
-
-    class Harness(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, query, key, value):
-            if restoring:
-                ctx.backward_op = module._cudnn_attention_backward_op
-            query, key, value = (x.clone() for x in (query, key, value))
-            return module._cudnn_attention_forward_op(
-                ctx, query, key, value, mask, dropout, False, None, False, False,
-                _save_ctx=True, _parallel_config=config,
-            )  # fmt: skip
-
-        @staticmethod
-        def backward(ctx, grad):
-            return tuple(module._cudnn_attention_backward_op(ctx, grad)[:3])
-
-    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    with Seen() as seen:
-        out = Harness.apply(*leaves)
-        out.backward(grad_out)
-    return {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}, seen
-
-
-def make_mask(keep_rows, shape: str, kind: str, heads: int, seq_q: int):
-    """(B|1, S_kv) keep flags as a key-padding mask of ``shape`` and ``kind`` (bool, or 0/-inf additive)."""
-    import torch
-
-    batch, seq_kv = keep_rows.shape
-    keep = keep_rows[:, None, None, :]
-    if shape == "rows":
-        keep = keep.expand(batch, 1, seq_q, seq_kv).contiguous()
-    elif shape == "heads_rows":
-        keep = keep.expand(batch, heads, seq_q, seq_kv).contiguous()
-    elif shape == "shared":
-        keep = keep[:1].contiguous()
-    if kind == "bool":
-        return keep
-    return torch.zeros(keep.shape, dtype=getattr(torch, kind)).masked_fill_(~keep, float("-inf"))
-
-
-def inputs(batch: int, seq_q: int, seq_kv: int, heads: int, dim: int, seed: int = 0):
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v, g = (
-        torch.randn(batch, s, heads, dim, generator=gen).to(torch.bfloat16) for s in (seq_q, seq_kv, seq_kv, seq_q)
-    )
-    return q, k, v, g
-
-
-def golden(q, k, v, grad_out, keep):
-    """fp32 reference (out, dq, dk, dv) in model layout; ``keep`` broadcasts to (B, H, S_q, S_kv)."""
-    from standin_kernels import reference_attention
-
-    leaves = [x.float().cpu().transpose(1, 2).detach().requires_grad_(True) for x in (q, k, v)]
-    out = reference_attention(*leaves, bool_mask=keep.cpu())
-    out.backward(grad_out.float().cpu().transpose(1, 2))
-    return dict(zip(("out", "dq", "dk", "dv"), (t.transpose(1, 2) for t in (out.detach(), *(x.grad for x in leaves)))))
-
-
-def assert_same_as_biased(fast: dict, biased: dict, ref: dict, *, ulps: int = 1) -> None:
-    """Within ``ulps`` bf16 roundings of the biased path, and about as close to the fp32 reference as it is."""
-    from standin_kernels import max_abs_error
-
-    for name in ("out", "dq", "dk", "dv"):
-        magnitude = float(ref[name].abs().max())
-        rounding = ulps * 2**-7 * magnitude + 1e-6
-        got, biased_got = fast[name].float().cpu(), biased[name].float().cpu()
-        assert max_abs_error(got, biased_got) <= rounding, (name, max_abs_error(got, biased_got), magnitude)
-        biased_error = max_abs_error(biased_got, ref[name])
-        assert max_abs_error(got, ref[name]) <= max(2 * biased_error, rounding), name
-
-
-def keep_rows_of(batch: int, seq_kv: int, lengths: list[int], *, offset: int = 0):
-    """(B, S_kv): element b keeps ``lengths[b]`` keys from ``offset`` (wrapping)."""
-    import torch
-
-    keep = torch.zeros(batch, seq_kv, dtype=torch.bool)
-    for b, n in enumerate(lengths):
-        keep[b, [(offset + j) % seq_kv for j in range(n)]] = True
-    return keep
-
-
-# (name, B, S_q, S_kv, H, D, keep rows as (lengths, offset) or "qwen", mask shape, mask kind,
-#  expected (K length at the kernel, bias shape or None))
-CASES = (
-    ("b1_suffix_padded", 1, 12, 16, 2, 16, ([14], 0), "key", "bool", (14, None)),
-    ("b1_qwen_text_padded", 1, 12, 16, 2, 16, "qwen", "key", "bool", (13, None)),
-    ("b1_rows_additive", 1, 12, 16, 2, 16, ([10], 3), "rows", "float32", (10, None)),
-    ("b2_prefix_lengths", 2, 12, 16, 2, 16, ([9, 13], 0), "key", "bool", (13, (2, 1, 1, 13))),
-    ("b3_fully_padded", 3, 12, 16, 2, 16, ([5, 0, 11], 2), "heads_rows", "bfloat16", (11, (3, 1, 1, 11))),
-    ("b2_equal_counts", 2, 12, 16, 2, 16, ([8, 8], 0), "key", "bool", (8, None)),
-    ("b2_shared_mask", 2, 12, 16, 2, 16, ([12], 4), "shared", "bool", (12, None)),
-    ("b2_all_valid", 2, 12, 16, 2, 16, ([16, 16], 0), "key", "bool", (16, None)),
-)
-
-
-def case_keep_rows(batch: int, seq_kv: int, rows: Any):
-    if rows == "qwen":  # QwenImage's joint sequence [text padded at its end, image]: a gap in the middle
-        keep = keep_rows_of(1, seq_kv, [seq_kv])
-        keep[0, 4:7] = False
-        return keep
-    lengths, offset = rows
-    return keep_rows_of(len(lengths), seq_kv, lengths, offset=offset)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -375,44 +215,15 @@ def test_random_masks_equal_the_biased_path(patched, case) -> None:
         assert seen_kv == seq_kv
 
 
-SCRIPT_0421 = """
-import json, types, warnings
-import torch
-import diffusers_cudnn_fix
-import diffusers.models.attention_dispatch as module
-import standin_kernels
-import test_key_padding as t
-standin_kernels.register()
-warnings.simplefilter("ignore")
-results = {}
-for name, batch, seq_q, seq_kv, heads, dim, rows, shape, kind, expected in t.CASES:
-    keep_rows = t.case_keep_rows(batch, seq_kv, rows)
-    mask = t.make_mask(keep_rows, shape, kind, heads, seq_q)
-    q, k, v, g = t.inputs(batch, seq_q, seq_kv, heads, dim)
-    fast, seen = t.run_pair(module, q, k, v, mask, g)
-    biased, seen_biased = t.run_pair(module, q, k, v, mask, g, restoring=False)
-    try:
-        t.assert_same_as_biased(fast, biased, t.golden(q, k, v, g, mask if kind == "bool" else mask == 0))
-        same = True
-    except AssertionError as exc:
-        same = str(exc)
-    dropped = ~keep_rows.expand(batch, seq_kv)
-    zero = all(bool(fast[n][dropped].eq(0).all()) for n in ("dk", "dv"))
-    results[name] = {"kernels": seen.kernels, "expected": [list(expected)], "biased": seen_biased.kernels,
-                     "same": same, "zero": zero}
-print(json.dumps(results))
-"""
-
-
 def test_diffusers_own_ops_on_0_42_1() -> None:
     """0.40+: diffusers' own forward / backward ops behind the package's wrappers get the trimmed K/V, and the
     backward wrapper scatters the gradients back."""
-    results = run(release_dir("0.42.1"), SCRIPT_0421)
+    results = run(release_dir("0.42.1"), "import scenario_key_padding as s; s.main_cases()")
     results.pop("_stderr")
     assert set(results) == {case[0] for case in CASES}
     for name, result in results.items():
         kernels = [[n, list(bias) if bias else None] for n, bias in result["kernels"]]
         expected = [[n, list(bias) if bias else None] for n, bias in result["expected"]]
         assert kernels == expected, (name, result)
-        assert result["biased"][0][0] != result["kernels"][0][0] or name == "b2_all_valid", (name, result)
-        assert result["same"] is True and result["zero"], (name, result)
+        assert result["biased_kernels"][0][0] != result["kernels"][0][0] or name == "b2_all_valid", (name, result)
+        assert result["ok"], (name, result)  # equal to the biased path, dropped keys' dK/dV exactly 0, no NaN
