@@ -22,7 +22,16 @@ B=2 S=1024 H=16 D=64:
   package's cache must convert it again, then serve the other 7 layers), with the same bool mask every step
   (cache hits only), and converted at every layer (modified before each layer: the cost without a cache).
   Every variant touches a mask-sized bool tensor the same number of times per step, so the in-place
-  modification costs all of them the same. Ratios are of medians measured side by side in one process.
+  modification costs all of them the same. Ratios are of medians measured side by side in one process;
+* key-padding masks (``--sections keypad``), B=1 S=4096 H=24 D=128: fwd+bwd of the installed op pair, driven as
+  diffusers' templated attention drives it (``ctx.backward_op`` set, so the forward may run on the valid keys
+  alone): no mask; a bool [B, 1, 1, S] mask padding the last 1/8, 1/4, 1/2 of the keys; the same masks on the
+  biased path (a context whose backward op cannot scatter: what the package did before); 1/8 padded in the
+  middle (QwenImage's joint sequence, gathered); an additive [B, 1, 1, S] mask; B=2 with 7/8 and 5/8 valid
+  (trimmed with a bias); a [B, 1, S, S] mask that is not key padding (one query row sees one more key), with
+  and without the fast path. Targets: key padding at 1/8 at most 1.0x the no-mask call, the speed-up growing
+  with the padding; the non-key-padding mask never slower than the biased path. ``--release 0.42.1`` times
+  diffusers' own ops behind the package's wrappers instead of 0.39.0's corrected ones.
 """
 
 from __future__ import annotations
@@ -179,13 +188,127 @@ def mask_section(
     print(f"  bool converted vs additive: max abs difference of the outputs {same}")
 
 
+def keypad_section(
+    module: Any, torch: Any, dev: Any, results: dict[str, Any], shape: tuple[int, int, int, int] = (1, 4096, 24, 128)
+) -> None:
+    """Key-padding masks on the valid keys alone vs the biased path; see the module docstring."""
+    import warnings
+
+    import diffusers_cudnn_fix
+
+    diffusers_cudnn_fix.set_mask_mode("convert")
+    _, seq, heads, dim = shape
+    fwd, bwd = module._cudnn_attention_forward_op, module._cudnn_attention_backward_op  # as installed
+
+    class Pair(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, q: Any, k: Any, v: Any, mask: Any, restoring: bool) -> Any:
+            if restoring:  # as diffusers' templated classes do before calling the forward op
+                ctx.backward_op = bwd
+            return fwd(ctx, q, k, v, mask, 0.0, False, None, False, False, _save_ctx=True, _parallel_config=CP)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            return (*bwd(ctx, grad)[:3], None, None)
+
+    def tensors(batch: int) -> list[Any]:
+        gen = torch.Generator(device=dev).manual_seed(batch)
+        return [
+            torch.randn(batch, seq, heads, dim, device=dev, dtype=torch.bfloat16, generator=gen).requires_grad_(i < 3)
+            for i in range(4)
+        ]
+
+    inputs = {1: tensors(1), 2: tensors(2)}
+
+    def keep_rows(batch: int, valid: list[tuple[int, int]]) -> Any:
+        keep = torch.zeros(batch, seq, dtype=torch.bool, device=dev)
+        for b, (start, stop) in enumerate(valid):
+            keep[b, start:stop] = True
+        return keep
+
+    def key_mask(keep: Any) -> Any:
+        return keep[:, None, None, :]
+
+    def additive(mask: Any) -> Any:
+        return torch.zeros(mask.shape, dtype=torch.bfloat16, device=dev).masked_fill_(~mask, float("-inf"))
+
+    def call(mask: Any, restoring: bool = True, batch: int = 1) -> Callable[[], Any]:
+        q, k, v, g = inputs[batch]
+
+        def step() -> Any:
+            out = Pair.apply(q, k, v, mask, restoring)
+            return out, torch.autograd.grad(out, (q, k, v), g)
+
+        return step
+
+    padded = {f"1/{n}": key_mask(keep_rows(1, [(0, seq - seq // n)])) for n in (8, 4, 2)}
+    middle = keep_rows(1, [(0, seq)])
+    middle[0, seq // 16 : seq // 16 + seq // 8] = False  # QwenImage: [text, its padding, image]
+    rows = key_mask(keep_rows(1, [(0, seq - seq // 8)])).expand(1, 1, seq, seq).clone()
+    rows[0, 0, 0, seq - 1] = True  # one query row sees one more key: not key padding
+    variants: dict[str, Callable[[], Any]] = {"no mask": call(None)}
+    for name, mask in padded.items():
+        variants[f"key padding {name}, bool [B,1,1,S]"] = call(mask)
+        variants[f"key padding {name}, bool [B,1,1,S], biased path"] = call(mask, restoring=False)
+    variants["key padding 1/8 in the middle, bool [B,1,1,S] (gathered)"] = call(key_mask(middle))
+    variants["key padding 1/8, additive bf16 [B,1,1,S]"] = call(additive(padded["1/8"]))
+    variants["key padding 1/8, additive bf16 [B,1,1,S], biased path"] = call(additive(padded["1/8"]), False)
+    variants["not key padding, bool [B,1,S,S]"] = call(rows)
+    variants["not key padding, bool [B,1,S,S], biased path"] = call(rows, restoring=False)
+    two = key_mask(keep_rows(2, [(0, seq - seq // 8), (0, seq - 3 * seq // 8)]))
+    variants["B=2 no mask"] = call(None, batch=2)
+    variants["B=2 key padding 1/8 and 3/8, bool [B,1,1,S]"] = call(two, batch=2)
+    variants["B=2 key padding 1/8 and 3/8, bool [B,1,1,S], biased path"] = call(two, restoring=False, batch=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast_out, fast_grads = variants["key padding 1/8, bool [B,1,1,S]"]()
+        biased_out, biased_grads = variants["key padding 1/8, bool [B,1,1,S], biased path"]()
+        diffs = {
+            name: (a - b).abs().max().item()
+            for name, a, b in zip(("out", "dq", "dk", "dv"), (fast_out, *fast_grads), (biased_out, *biased_grads))
+        }
+        ms = {name: cuda_median_ms(fn) for name, fn in variants.items()}
+        again = {name: cuda_median_ms(fn, warmup=3) for name, fn in variants.items()}
+    base = ms["no mask"]
+    ratios = {f"key padding {n} / no mask": ms[f"key padding {n}, bool [B,1,1,S]"] / base for n in padded}
+    for n in padded:
+        ratios[f"key padding {n} biased path / no mask"] = ms[f"key padding {n}, bool [B,1,1,S], biased path"] / base
+    ratios["middle 1/8 (gathered) / no mask"] = ms["key padding 1/8 in the middle, bool [B,1,1,S] (gathered)"] / base
+    ratios["additive 1/8 / no mask"] = ms["key padding 1/8, additive bf16 [B,1,1,S]"] / base
+    ratios["additive 1/8 / its biased path"] = (
+        ms["key padding 1/8, additive bf16 [B,1,1,S]"] / ms["key padding 1/8, additive bf16 [B,1,1,S], biased path"]
+    )
+    ratios["not key padding [B,1,S,S] / its biased path (<= ~1.0: never slower)"] = (
+        ms["not key padding, bool [B,1,S,S]"] / ms["not key padding, bool [B,1,S,S], biased path"]
+    )
+    two_ms = ms["B=2 key padding 1/8 and 3/8, bool [B,1,1,S]"]
+    ratios["B=2 1/8 and 3/8 / B=2 no mask"] = two_ms / ms["B=2 no mask"]
+    ratios["B=2 1/8 and 3/8 / its biased path"] = (
+        two_ms / ms["B=2 key padding 1/8 and 3/8, bool [B,1,1,S], biased path"]
+    )
+    key = f"key-padding masks: fwd+bwd, B=1 S={seq} H={heads} D={dim}, diffusers {module.__file__.split('/')[-4]}"
+    results[key] = {
+        "ms": ms,
+        "ms_second_pass": again,
+        "ratios": ratios,
+        "max_abs_diff_fast_vs_biased_1_8": diffs,
+    }
+    print(f"\n{key} (mode convert; fast path = the valid keys alone)")
+    for name, value in ms.items():
+        print(f"  {name:<62} {value:8.3f} ms   (second pass {again[name]:8.3f})")
+    for name, ratio in ratios.items():
+        print(f"  {name:<72} {ratio:6.3f}x")
+    print(f"  fast vs biased path at 1/8, max abs difference: {diffs}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--sections", default="probe,ops,mask", help="comma-separated: probe, ops, mask")
+    parser.add_argument("--sections", default="probe,ops,mask,keypad", help="comma-separated: probe, ops, mask, keypad")
+    parser.add_argument("--release", default="0.39.0", help="diffusers release to import (probe/ops/mask need 0.39.0)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
-    sys.path.insert(0, str(release_dir("0.39.0")))
+    sys.path.insert(0, str(release_dir(args.release)))
     import diffusers.models.attention_dispatch as m039
     import torch
 
@@ -218,6 +341,8 @@ def main() -> None:
             print(results["probe_and_ops_failed"])
     if "mask" in sections:
         mask_section(m039, torch, dev, results)
+    if "keypad" in sections:
+        keypad_section(m039, torch, dev, results)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))

@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_session.sh stacks  # the training-stack GPU tests only (raw gpu-stacks-*.json)
 #   bash benchmarks/gpu_session.sh import  # bench_import.py and hook_phases.py on that machine's CPU
 #   bash benchmarks/gpu_session.sh references  # tests/test_references.py under that machine's Python
+#   bash benchmarks/gpu_session.sh keypad  # key-padding masks: bench_gpu.py --sections keypad on 0.39.0 and
+#                                          # 0.42.1, and tests/test_gpu_key_padding.py (about 3 min)
 #   bash benchmarks/gpu_session.sh hook-ab  # the hook only, this package against .base, more runs
 #   bash benchmarks/gpu_session.sh trust    # the doctor on 0.39.0 and 0.42.1, launch matrix + GPU tests
 #                                           # (tests/test_gpu.py, ring at degrees 2-4 on 0.36.0, 0.39.0,
@@ -65,8 +67,9 @@ trust)
     done
     RES=/tmp/dcf-results
     mkdir -p "$RES"
-    [[ $STEPS == *" tests "* ]] && step tests "${DCF_TESTS_LIMIT:-220}" env DIFFUSERS_CUDNN_FIX_RESULTS=$RES \
-        python3 -m pytest ${DCF_TEST_FILES:-tests/test_gpu.py tests/test_gpu_compile.py} -q -p no:cacheprovider -rfE \
+    [[ $STEPS == *" tests "* ]] && step tests "${DCF_TESTS_LIMIT:-280}" env DIFFUSERS_CUDNN_FIX_RESULTS=$RES \
+        python3 -m pytest ${DCF_TEST_FILES:-tests/test_gpu.py tests/test_gpu_compile.py tests/test_gpu_key_padding.py} \
+        -q -p no:cacheprovider -rfE \
         -k "not training_stack" 2>&1 | tee "$OUT/gpu-tests.log"
     # Training stacks (QwenImage with padded prompts: eager, inductor, autocast, checkpointing), under a limit
     # of their own: inductor compiles the model per release (raw JSON gpu-stacks-<release>.json).
@@ -133,6 +136,19 @@ import)
 hook-ab)
     python3 benchmarks/bench_import.py --runs 22 --hook-only --baseline .base \
         --out "$OUT/bench-hook-ab-h200-host.json" 2>&1 | tee "$OUT/bench-hook-ab-h200-host.log"
+    ;;
+keypad)
+    # Key-padding masks run on the valid keys alone: timings side by side (0.39.0: the package's corrected op
+    # pair; 0.42.1: diffusers' own ops behind the package's wrappers) and the exactness tests on real cuDNN.
+    python3 -c "import torch; print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version())" \
+        >"$OUT/gpu-session.log" 2>&1
+    for version in 0.39.0 0.42.1; do
+        step "keypad bench $version" "${DCF_BENCH_LIMIT:-90}" python3 benchmarks/bench_gpu.py --sections keypad \
+            --release "$version" --out "$OUT/bench-keypad-$version.json" 2>&1 | tee -a "$OUT/bench-keypad.log"
+    done
+    step "keypad tests" "${DCF_TESTS_LIMIT:-300}" env DIFFUSERS_CUDNN_FIX_RESULTS=$OUT \
+        python3 -m pytest tests/test_gpu_key_padding.py -q -p no:cacheprovider -rfE 2>&1 \
+        | tee "$OUT/gpu-key-padding-tests.log"
     ;;
 references)
     # The reference check counts references with sys.getrefcount: run its tests under this Python too

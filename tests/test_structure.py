@@ -23,6 +23,7 @@ LAYERS = {
     "_devices": 1,
     "_fix": 1,
     "_layout": 2,
+    "_key_padding": 2,
     "_detect": 2,
     "fixes._forward_guard": 3,
     "fixes.cudnn_forward_lse": 3,
@@ -50,7 +51,8 @@ LAYERS = {
 }
 
 # Code in these runs inside the corrected ops or the probe's trigger.
-HOT_PATH = ["_warnings", "_switches", "_devices", "_layout", "_probe"] + [m for m in LAYERS if m.startswith("fixes.")]
+HOT_PATH = ["_warnings", "_switches", "_devices", "_layout", "_key_padding", "_probe"]
+HOT_PATH += [m for m in LAYERS if m.startswith("fixes.")]
 
 
 def _module_name(path: Path) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .. import _devices
+from .._key_padding import trim
 from .._layout import realigned, refuse_one_head_or_query_while_compiling
 
 #: Looks at the inputs and returns the mask to pass on (the same one, a converted one), or raises.
@@ -24,8 +25,9 @@ def compute_dtype(query: torch.Tensor) -> torch.dtype:
     return query.dtype
 
 
-def guard_forward(inner: Callable[..., Any], check: Check) -> Callable[..., Any]:
-    """``inner`` (the installed forward op) behind ``check``.
+def guard_forward(inner: Callable[..., Any], check: Check, *, key_padding: bool = False) -> Callable[..., Any]:
+    """``inner`` (the installed forward op) behind ``check``; with ``key_padding``, handed only the valid keys
+    where the mask only pads keys (``_key_padding``).
 
     ``functools.wraps`` gives the wrapper ``inner``'s signature (``inspect.signature`` follows
     ``__wrapped__``), which is diffusers' forward-op signature; it is written out once, in
@@ -49,7 +51,9 @@ def guard_forward(inner: Callable[..., Any], check: Check) -> Callable[..., Any]
         if torch.is_autocast_enabled(query.device.type):
             dtype = compute_dtype(query)
             query, key, value = (x.to(dtype) if x.is_floating_point() else x for x in (query, key, value))
-        attn_mask = check(query, key, value, attn_mask)
+        given, attn_mask = attn_mask, check(query, key, value, attn_mask)
+        if key_padding and attn_mask is not None:
+            key, value, attn_mask = trim(ctx, query, key, value, given, attn_mask, args, kwargs)
         # Views at an odd offset reach the kernel as they are on every release (a contiguous view is not
         # copied by the ops' .contiguous()), and cuDNN misreads them: hand it aligned memory.
         query, key, value = realigned(query), realigned(key), realigned(value)

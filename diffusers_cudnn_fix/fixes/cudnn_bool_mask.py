@@ -22,7 +22,9 @@ the wrappers around it). What it does with each mask, by mode
 (``DIFFUSERS_CUDNN_FIX_MASK`` or ``diffusers_cudnn_fix.set_mask_mode()``), is in docs/behaviour.md: in short,
 ``convert`` (default) turns a bool mask into an additive mask in q's dtype (``-inf`` where False, so a fully
 masked row gives 0) and casts other float masks, ``warn`` passes them through as upstream does, ``error``
-raises; integer masks and masks that require grad raise in every mode.
+raises; integer masks and masks that require grad raise in every mode. In ``convert`` mode a mask that only pads
+keys hands the op the valid keys alone (``_key_padding``; the backward wrapper of ``cudnn_masked_row_grads``
+scatters the K/V gradients back).
 
 Revert: the object that was there before is put back (the registry keeps it).
 """
@@ -53,7 +55,8 @@ _FORWARD_OP_AFTER_MASK = 5
 ISSUE = "huggingface/diffusers#14342"
 
 MODE_EFFECTS = {
-    "convert": "bool masks become additive masks in q's dtype, other float masks are cast to it",
+    "convert": "bool masks become additive masks in q's dtype, other float masks are cast to it; a mask that "
+    "only pads keys runs the kernel on the valid keys alone",
     "warn": "bool and wrongly typed masks are passed through as diffusers does: the kernel misreads them "
     "(a bool mask is read out of bounds)",
     "error": "bool and wrongly typed masks raise UnsafeAttentionError",
@@ -270,7 +273,7 @@ def converting_ulysses_masks(shipped: Any) -> Any:
 
 
 def build(lookup: Lookup) -> Mapping[str, Any]:
-    guarded = guard_forward(lookup(TARGET), mask_policy)
+    guarded = guard_forward(lookup(TARGET), mask_policy, key_padding=True)
     guarded.mask_policy = mask_policy  # type: ignore[attr-defined]  # read by the Ulysses wrapper
     replacements: dict[str, Any] = {TARGET: guarded}
     ulysses = lookup(ULYSSES)

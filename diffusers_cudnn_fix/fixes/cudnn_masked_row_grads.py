@@ -33,6 +33,7 @@ import torch
 
 from .. import _detect
 from .._fix import Finding, Fix, Lookup
+from .._key_padding import RESTORES, restored
 
 TARGET = "_cudnn_attention_backward_op"
 #: The kernels compute the softmax as exp2(score * log2(e) - max).
@@ -66,11 +67,13 @@ def zero_masked_rows(inner: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(inner)  # keeps diffusers' backward-op signature, which the checks read
     def cudnn_attention_backward_op(ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return inner(ctx, without_masked_rows(grad_out, getattr(ctx, "attn_mask", None)), *args, **kwargs)
+        grads = inner(ctx, without_masked_rows(grad_out, getattr(ctx, "attn_mask", None)), *args, **kwargs)
+        return restored(ctx, grads)  # dK/dV back to full length where the forward trimmed padded keys
 
     cudnn_attention_backward_op.__doc__ = (
         "diffusers' cuDNN backward op, handed no gradient for fully masked rows where S_kv is 1."
     )
+    setattr(cudnn_attention_backward_op, RESTORES, True)  # the forward may trim padded keys (_key_padding)
     return cudnn_attention_backward_op
 
 

@@ -1,0 +1,179 @@
+"""Key-padding masks at no cost: the cuDNN context-parallel op run on the valid keys alone.
+
+A mask that only pads keys (every query row and every head sees the same keys: QwenImage's ``[B, 1, 1, S_kv]``
+bool mask, or a ``[B, 1|H, S_q, S_kv]`` mask whose rows are all equal, bool or additive ``0`` / ``-inf``) makes
+the kernel read a bias it does not need. Here the mask guard hands the op the keys that are attended to:
+
+* one batch element's worth of keys (B = 1, or a mask shared by the batch): the valid keys gathered (a view
+  where they are one run), no bias;
+* B > 1: each element's valid keys moved to the front, trimmed to the longest valid count, with an additive
+  bias (``-inf``) only for the tail of the shorter ones.
+
+The K/V gradients are scattered back to full length by the backward op's wrapper (zeros for the dropped keys).
+The plan for a mask costs one host sync, once per mask object and version (the mask is reused by every layer);
+while compiling or capturing a CUDA graph, for inference tensors, with dropout, ``is_causal`` or ring attention,
+outside the ``convert`` mask mode, or where the backward op that will run cannot scatter, the op gets the bias
+as before. Plain tensor code, no imports at call time: this runs on autograd's threads.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from . import _switches
+
+#: Set on the backward op wrapper that scatters the K/V gradients back (``restored``): the forward trims only
+#: where the context's backward op carries it.
+RESTORES = "restores_key_padding"
+#: The autograd-context attribute that tells the backward what the forward trimmed.
+CTX_ATTR = "dcf_key_padding"
+_MAX_PLANS = 8
+
+
+class Plan(NamedTuple):
+    """What to do with a mask. ``kind``: ``"bias"`` (not key padding, or no key valid: unchanged), ``"all"``
+    (every key valid: no bias), ``"window"`` (the valid keys lie in ``[start, start + n)``: a view), ``"gather"``
+    (``positions``: (B|1, n) positions of each element's valid keys first). ``bias``: (B|1, 1, 1, n) or None."""
+
+    kind: str
+    start: int = 0
+    n: int = 0
+    positions: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+
+_BIAS = Plan("bias")
+_ALL = Plan("all")
+# id(mask) -> (the mask, weakly; its version counter; the bias dtype; the plan)
+_plans: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.dtype, Plan]] = {}
+
+
+def plan(mask: torch.Tensor, dtype: torch.dtype) -> Plan:
+    """The plan for a 4-D ``mask`` (bool, True = attend, or additive) whose last dim is the keys; one host sync."""
+    keep = mask if mask.dtype == torch.bool else mask == 0
+    row = keep[:, :1, :1, :]
+    ok = (keep == row).all()
+    if mask.dtype != torch.bool:
+        ok &= (keep | torch.isneginf(mask)).all()  # another value is a real bias, not padding
+    row = row.reshape(mask.shape[0], mask.shape[-1])
+    seq = row.shape[1]
+    counts = row.sum(dim=1)
+    pos = torch.arange(seq, device=mask.device)
+    first = torch.where(row, pos, seq).amin()
+    last = torch.where(row, pos, -1).amax()
+    found = torch.stack([ok.to(torch.int64), counts.max(), counts.min(), first, last]).tolist()  # the one sync
+    is_padding, most, least, start, end = found[0], found[1], found[2], found[3], found[4] + 1
+    if not is_padding or most == 0:  # no valid key at all: the bias path's result (zero rows) stays
+        return _BIAS
+    if least == seq:
+        return _ALL
+    if end - start == most:  # every valid key in one run of the longest count's length: a view
+        part = row[:, start:end]
+        bias = None if least == most else _additive(part, dtype)
+        return Plan("window", start, most, None, bias)
+    index = torch.argsort((~row).to(torch.int8), dim=1, stable=True)[:, :most]
+    bias = None if least == most else _additive(torch.arange(most, device=mask.device) < counts[:, None], dtype)
+    return Plan("gather", 0, most, index, bias)
+
+
+def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, n) keep flags as a (B, 1, 1, n) additive bias (``-inf`` where False)."""
+    bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+    return bias[:, None, None, :]
+
+
+def trim(
+    ctx: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    given: torch.Tensor,
+    mask: torch.Tensor,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(key, value, mask) for diffusers' cuDNN forward op: trimmed to the valid keys where ``given`` (the mask
+    as it reached the op) only pads keys, else as they came. ``mask`` is ``given`` after the mask policy;
+    ``args`` / ``kwargs`` the op's arguments after the mask. Records on ``ctx`` what ``restored`` needs."""
+    if torch.compiler.is_compiling() or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
+        return key, value, mask
+    if ctx is not None:
+        setattr(ctx, CTX_ATTR, None)
+    seq = key.shape[1]
+    if (
+        given.dim() != 4
+        or given.shape[-1] != seq
+        or given.shape[0] not in (1, key.shape[0])
+        or given.shape[1] not in (1, query.shape[2])
+        or given.shape[2] not in (1, query.shape[1])
+        or given.is_inference()  # no version counter: a plan could not be cached
+    ):
+        return key, value, mask
+    if (args[0] if args else kwargs.get("dropout_p", 0.0)) or (args[1] if len(args) > 1 else kwargs.get("is_causal")):
+        return key, value, mask
+    config = getattr(args[6] if len(args) > 6 else kwargs.get("_parallel_config"), "context_parallel_config", None)
+    if getattr(config, "ring_degree", 1) > 1:  # ring attention hands the op K/V chunks (and refuses masks)
+        return key, value, mask
+    save_ctx = args[5] if len(args) > 5 else kwargs.get("_save_ctx", True)
+    if save_ctx and not getattr(getattr(ctx, "backward_op", None), RESTORES, False):
+        return key, value, mask  # the backward that will run could not scatter the K/V gradients back
+    # Only in convert mode (warn: as upstream; error: bool masks never get here); mask_mode() without its frame.
+    if _switches._choice(_switches.MASK_VAR) != "convert":
+        return key, value, mask
+    entry = _plans.get(id(given))
+    if entry is not None and entry[0]() is given and entry[1] == given._version and entry[2] == mask.dtype:
+        found = entry[3]
+    else:
+        found = plan(given, mask.dtype)
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[id(given)] = (weakref.ref(given, _forget(id(given))), given._version, mask.dtype, found)
+    kind = found.kind
+    if kind == "bias" or (found.n == 1 and query.shape[1] == 1):  # cuDNN refuses S_q = S_kv = 1
+        return key, value, mask
+    if kind == "all":
+        return key, value, None
+    if kind == "window":
+        stop = found.start + found.n
+        key, value = key[:, found.start : stop], value[:, found.start : stop]
+    elif found.positions is not None and found.positions.shape[0] == 1:
+        key, value = key.index_select(1, found.positions[0]), value.index_select(1, found.positions[0])
+    elif found.positions is not None:
+        index = found.positions[:, :, None, None]
+        key = key.gather(1, index.expand(-1, -1, key.shape[2], key.shape[3]))
+        value = value.gather(1, index.expand(-1, -1, value.shape[2], value.shape[3]))
+    if ctx is not None and save_ctx:
+        setattr(ctx, CTX_ATTR, (seq, found))
+    return key, value, found.bias
+
+
+def _forget(key: int) -> Any:
+    def forget(_: object) -> None:
+        _plans.pop(key, None)  # the mask is gone: so is its plan (and its id may be reused)
+
+    return forget
+
+
+def restored(ctx: Any, grads: Any) -> Any:
+    """The backward op's gradients with dK / dV (B, n, H, D) scattered back to the full key length."""
+    trimmed = getattr(ctx, CTX_ATTR, None)
+    if trimmed is None:
+        return grads
+    seq, found = trimmed
+    grad_key, grad_value = grads[1], grads[2]
+    if found.positions is None:
+        pad = (0, 0, 0, 0, found.start, seq - found.start - found.n)
+        grad_key, grad_value = F.pad(grad_key, pad), F.pad(grad_value, pad)
+    else:
+        index = found.positions[:, :, None, None]
+        grad_key = grad_key.new_zeros(grad_key.shape[0], seq, *grad_key.shape[2:]).scatter_(
+            1, index.expand(grad_key.shape), grad_key
+        )
+        grad_value = grad_value.new_zeros(grad_value.shape[0], seq, *grad_value.shape[2:]).scatter_(
+            1, index.expand(grad_value.shape), grad_value
+        )
+    return (grads[0], grad_key, grad_value, *grads[3:])
