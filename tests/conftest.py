@@ -12,7 +12,7 @@ import types
 from pathlib import PurePosixPath
 
 import pytest
-from releases import RELEASES, release_dir
+from releases import RELEASES, close_preloaded, release_dir
 
 IN_PROCESS_RELEASE = "0.39.0"
 
@@ -97,6 +97,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Wait for the preloaded interpreter of this process (``releases.run(preloaded=True)``), so that the CPU
+    time of the runs it forked counts in this process's (each pytest-xdist worker has its own)."""
+    close_preloaded()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread() -> None:
+    """One intra-op thread for the tests run in this process: their tensors are small, and with a thread per
+    core, on a machine whose cores the other pytest-xdist worker and the subprocesses share, torch spends more
+    CPU waiting than computing. (Subprocess scenarios set their own.)"""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

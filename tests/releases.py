@@ -3,15 +3,28 @@
 Every release goes to ``.cache/diffusers/<version>`` with ``pip install --no-deps --target`` (their shared
 dependencies come from the ``test`` extra), so one test session can run each release in its own
 interpreter: ``run(version, script)`` starts ``python`` with that folder first on ``PYTHONPATH``.
+
+``run(..., preloaded=True)`` forks the interpreter instead from one that has imported torch and nothing else of
+ours (``PRELOAD``; one per pytest process, started on first use): importing torch and ``torch._dynamo``
+(which diffusers pulls in) is most of a fresh interpreter's start, and the suite starts over a hundred. The
+fork has imported neither diffusers nor this package, so the import order between them, the package's
+environment switches and the release on the path are as in a fresh interpreter; what it cannot show is
+anything about torch's own import (CUDA initialisation, threads, torch's environment variables): tests of
+those run fresh (the default).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,9 +48,12 @@ def release_dir(version: str) -> Path:
     partial = CACHE / f".{version}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     CACHE.mkdir(parents=True, exist_ok=True)
-    # pip compiles the bytecode here, once: the suite starts hundreds of interpreters that import diffusers, and
-    # where PYTHONDONTWRITEBYTECODE is set (as on the CI machines) each would otherwise compile it again.
+    # Where interpreters may not write bytecode (PYTHONDONTWRITEBYTECODE, as on the CI machines), pip compiles it
+    # here, once: the suite starts hundreds of interpreters that import diffusers, and each would otherwise compile
+    # it again. Where they may (.ci/run: into PYTHONPYCACHEPREFIX), the first import compiles only what is used.
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(partial)]
+    if not sys.dont_write_bytecode:
+        cmd.append("--no-compile")
     wheels = os.environ.get("DIFFUSERS_WHEELS")  # a folder of wheels, for machines without an index
     if wheels:
         cmd += ["--no-index", "--find-links", wheels]
@@ -73,33 +89,199 @@ def run(
     *,
     env: dict[str, str] | None = None,
     timeout: float = 300,
+    preloaded: bool = False,
 ) -> dict:
     """Run ``script`` in a fresh interpreter with ``site`` (a release folder) first on the path.
 
     The script prints one JSON object as its last line of stdout; that object is returned. A non-zero exit
-    fails with the script's output.
+    fails with the script's output. ``preloaded``: fork it from an interpreter that has imported torch (see
+    the module's docstring); the same path, environment, working directory and warning filters.
     """
     paths = [str(site)] if site is not None else []
     paths += [str(ROOT), str(TESTS)]
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join([*paths, full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     full_env.setdefault("PYTHONWARNINGS", "default")
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-        cwd=str(ROOT),
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    if preloaded and full_env["PYTHONWARNINGS"] == _ZYGOTE_ENV["PYTHONWARNINGS"]:
+        returncode, stdout, stderr = _zygote().run(script, full_env, paths, timeout)
+    else:
+        proc = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            env=full_env,
+            timeout=timeout,
+            cwd=str(ROOT),
+        )
+        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    if returncode != 0:
+        raise AssertionError(f"subprocess failed ({returncode}):\n{stdout}\n{stderr}")
+    lines = [line for line in stdout.splitlines() if line.strip()]
     if not lines:
-        raise AssertionError(f"subprocess printed nothing:\n{proc.stderr}")
+        raise AssertionError(f"subprocess printed nothing:\n{stderr}")
     result = json.loads(lines[-1])
-    result["_stderr"] = proc.stderr
+    result["_stderr"] = stderr
     return result
+
+
+#: What the preloaded interpreter imports before it forks: torch, and what diffusers imports of it that costs
+#: most (``torch._dynamo``, through ``torch.compiler``). No diffusers, no package, no test module.
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed")
+#: Its environment's differences from the test process's: warnings as ``run`` sets them for every script
+#: (a request asking for other warning options runs fresh); nothing of ours on the path.
+_ZYGOTE_ENV = {"PYTHONWARNINGS": "default", "PYTHONPATH": ""}
+
+#: The preloaded interpreter: reads one request per line (JSON) on stdin, answers with a line once it forked.
+#: Each request is run in a grandchild: the child waits for it and writes its exit status to a file, which is
+#: how the requester learns it (the requester is not the grandchild's parent), then exits. Every process is
+#: waited for by its parent (the interpreter reaps its children between requests and all of them at the end
+#: of its input, and ``close_preloaded`` waits for the interpreter), so their CPU time counts in the test
+#: process's (``/usr/bin/time``, ``resource.getrusage``).
+_ZYGOTE = r"""
+import importlib, json, os, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+def reap(block):
+    while True:
+        try:
+            if os.waitpid(-1, 0 if block else os.WNOHANG)[0] == 0:
+                return
+        except ChildProcessError:
+            return
+print("ready", flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    if os.fork() == 0:  # the child: run the script in a grandchild, record its exit status
+        pid = os.fork()
+        if pid == 0:
+            os.setpgid(0, 0)  # its own process group: a timeout ends the script and whatever it started
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+            sys.stdout = open(1, "w", buffering=1, encoding="utf-8", closefd=False)
+            sys.stderr = open(2, "w", buffering=1, encoding="utf-8", closefd=False)
+            sys.stdin = open(0, encoding="utf-8", closefd=False)
+            os.environ.clear()
+            os.environ.update(req["env"])
+            os.chdir(req["cwd"])
+            sys.path[1:1] = req["paths"]
+            sys.argv = ["-c"]
+            main = type(sys)("__main__")
+            sys.modules["__main__"] = main
+            code = 0
+            try:
+                exec(compile(req["script"], "<string>", "exec"), main.__dict__)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                if not isinstance(exc.code, (int, type(None))):
+                    print(exc.code, file=sys.stderr)
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+                code = 1
+            try:
+                import atexit
+                atexit._run_exitfuncs()
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+        try:
+            with open(req["status"] + ".pid", "w") as f:
+                f.write(str(pid))
+            _, status = os.waitpid(pid, 0)
+            with open(req["status"] + ".tmp", "w") as f:
+                f.write(str(os.waitstatus_to_exitcode(status)))
+            os.rename(req["status"] + ".tmp", req["status"])
+        except OSError:
+            pass  # the requester gave up on it (a timeout) and removed its folder
+        os._exit(0)
+    print("forked", flush=True)
+    reap(block=False)
+reap(block=True)
+"""
+
+
+class _Zygote:
+    """The preloaded interpreter of this process (``_zygote()``)."""
+
+    def __init__(self) -> None:
+        env = {**os.environ, **_ZYGOTE_ENV}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _ZYGOTE, *PRELOAD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=str(ROOT),
+        )
+        self.lock = threading.Lock()
+        assert self.proc.stdout is not None and self.proc.stdout.readline() == "ready\n", "the zygote failed"
+
+    def run(self, script: str, env: dict[str, str], paths: list[str], timeout: float) -> tuple[int, str, str]:
+        """(exit status, stdout, stderr) of ``script`` run in a fork; a timeout kills its process group."""
+        with tempfile.TemporaryDirectory(prefix="releases-run-") as scratch:
+            files = {name: os.path.join(scratch, name) for name in ("stdout", "stderr", "status")}
+            request = {"script": script, "env": env, "paths": paths, "cwd": str(ROOT), **files}
+            with self.lock:
+                assert self.proc.stdin is not None and self.proc.stdout is not None
+                self.proc.stdin.write(json.dumps(request) + "\n")
+                self.proc.stdin.flush()
+                assert self.proc.stdout.readline() == "forked\n", "the zygote died"
+            deadline = time.monotonic() + timeout
+            while not os.path.exists(files["status"]):
+                if time.monotonic() > deadline:
+                    self._kill(files["status"] + ".pid")
+                    raise subprocess.TimeoutExpired(["<preloaded>", "-c", script], timeout)
+                time.sleep(0.05)
+            with open(files["status"]) as f:
+                code = int(f.read())
+            with open(files["stdout"], encoding="utf-8", errors="replace") as out:
+                stdout = out.read()
+            with open(files["stderr"], encoding="utf-8", errors="replace") as err:
+                stderr = err.read()
+        return code, stdout, stderr
+
+    @staticmethod
+    def _kill(pid_file: str) -> None:
+        """End the timed-out script's process group (the script and what it started)."""
+        try:
+            with open(pid_file) as f:
+                os.killpg(int(f.read()), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+
+
+_zygotes: dict[int, _Zygote] = {}
+_zygote_lock = threading.Lock()
+
+
+def close_preloaded() -> None:
+    """End this process's preloaded interpreter (it ends once its runs have) and wait for it (conftest.py
+    calls this at the end of the session; also at exit)."""
+    with _zygote_lock:
+        zygote = _zygotes.pop(os.getpid(), None)
+    if zygote is None:
+        return
+    assert zygote.proc.stdin is not None
+    zygote.proc.stdin.close()
+    try:
+        zygote.proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        zygote.proc.kill()
+        zygote.proc.wait()
+
+
+atexit.register(close_preloaded)
+
+
+def _zygote() -> _Zygote:
+    """This process's preloaded interpreter, started on first use (one per pytest-xdist worker)."""
+    with _zygote_lock:
+        if os.getpid() not in _zygotes:
+            _zygotes[os.getpid()] = _Zygote()
+        return _zygotes[os.getpid()]
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ COMPILERS: dict[str, dict[str, Any] | None] = {
     "max-autotune": {"backend": "inductor", "mode": "max-autotune-no-cudagraphs", "fullgraph": True},
 }
 GPU_BACKENDS = ("eager", "inductor", "inductor-graph-breaks-allowed", "max-autotune")
+#: A compiler setting in ``backends`` may name the paths it runs: ``"inductor:ulysses"`` runs inductor through
+#: ``ulysses`` only (no name: every path).
 MASKS = (None, "bool/keys", "bfloat16/keys", "float32/keys", "bool/full", "bfloat16/full", "float32/full")
 PATHS = ("pair", "ulysses")
 
@@ -176,6 +178,7 @@ def references(inputs: tuple[Any, ...], keep: Any) -> tuple[dict[str, Any], dict
 
 
 def run_matrix(module: types.ModuleType, backends: tuple[str, ...], device: str) -> dict[str, dict[str, Any]]:
+    """Every case of ``backends`` (each ``setting`` or ``setting:path,path``), keyed ``setting/path/mask``."""
     import torch
     from standin_kernels import max_abs_error
 
@@ -199,7 +202,9 @@ def run_matrix(module: types.ModuleType, backends: tuple[str, ...], device: str)
         def every_mask(leaves: list[list[Any]], masks: list[Any], one: Any = one) -> list[Any]:
             return [one(*qkv, mask) for qkv, mask in zip(leaves, masks)]
 
-        for backend in backends:
+        for backend, only in (b.partition(":")[::2] for b in backends):
+            if only and path not in only.split(","):
+                continue
             fn: Any = every_mask
             options = COMPILERS[backend]
             if options is not None:

@@ -221,6 +221,11 @@ def main(order: str, *, control: bool = False, ulysses: bool = False) -> None:
     if control and order != "diffusers_first":
         raise ValueError("the control runs before the package is imported: order='diffusers_first' only")
     result: dict[str, Any] = {"order": order}
+    import torch
+
+    # One intra-op thread: the tensors are small, and on a small machine shared with other test processes
+    # torch's default (a thread per core) spends more CPU waiting than computing.
+    torch.set_num_threads(1)
     # The stand-ins (and torch with them) only after the imports under test: "package first" means first.
     if control:
         module = import_in_order("none")

@@ -97,7 +97,11 @@ PATHS = ("pair", "ulysses", "ring")
 HALF = ("bfloat16", "float16")
 PROFILES = {
     # name: hypothesis settings on top of the common ones in search() (registered as profiles of these names)
-    "ci": {"max_examples": 800, "derandomize": True, "print_blob": False},  # bounded, the same examples every run
+    # bounded, the same examples every run. 400: every verdict the search reaches with 800 examples it reaches
+    # by 200 (0.36.0, 0.39.0, 0.42.1), and by 300 every value of every drawn field but 10 of the 27 mixed-dtype
+    # triples (0.39.0, PROPERTY_TRACE); the control finds a silent wrong result within its first 30 examples.
+    # "thorough" is the deep search.
+    "ci": {"max_examples": 400, "derandomize": True, "print_blob": False},
     "thorough": {"max_examples": 1500, "derandomize": False, "print_blob": True},  # a new seed each run
     # .ci/run's torch legs (the oldest and newest torch): the same examples every run, a fraction of "ci"'s.
     "short": {"max_examples": 150, "derandomize": True, "print_blob": False},

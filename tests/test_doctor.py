@@ -77,7 +77,7 @@ _results: dict[str, dict] = {}
 def doctor(version: str) -> dict:
     if version not in _results:
         body = DOCTOR + (LONG_ERROR if version == "0.39.0" else "") + "\nprint(json.dumps(result))\n"
-        _results[version] = run(release_dir(version), body, env={"DIFFUSERS_CUDNN_FIX": "1"})
+        _results[version] = run(release_dir(version), body, env={"DIFFUSERS_CUDNN_FIX": "1"}, preloaded=True)
     return _results[version]
 
 

@@ -181,6 +181,7 @@ out["warn_bool"] = go("bool")
 out["warn_float32"] = go("float32")
 print(json.dumps(out))
 """,
+        preloaded=True,
     )
     # Default: convert, with one MaskConvertedWarning per process.
     assert result["default_bool"]["status"] == ["pass"] * 3, result["default_bool"]
@@ -240,6 +241,7 @@ result["reverted"] = cases()
 print(json.dumps(result))
 """,
         env={"DIFFUSERS_CUDNN_FIX_MASK": "error"},
+        preloaded=True,
     )
     assert result["applied"] == [
         "cudnn_bool_mask",
@@ -378,6 +380,7 @@ def test_ring_backward_is_left_alone_where_it_is_right() -> None:
         release_dir("0.40.0"),
         "import json, diffusers_cudnn_fix, diffusers.models.attention_dispatch\n"
         "print(json.dumps({f.id: [f.detected, f.applied] for f in diffusers_cudnn_fix.status().fixes}))\n",
+        preloaded=True,
     )
     assert result["ring_backward"] == ["ok", False]
     assert result["ulysses_grad_count"] == ["ok", False]
@@ -386,7 +389,7 @@ def test_ring_backward_is_left_alone_where_it_is_right() -> None:
 @pytest.mark.parametrize("order", ["package_first", "none"])
 def test_ulysses_on_0_36_0(order: str) -> None:
     """0.36.0's Ulysses backward (11 gradients for 12 inputs) raises for every backend; padded, it is right."""
-    result = run(release_dir("0.36.0"), f"import scenario_ulysses; scenario_ulysses.main({order!r})")
+    result = run(release_dir("0.36.0"), f"import scenario_ulysses; scenario_ulysses.main({order!r})", preloaded=True)
     cudnn = {k: v for k, v in result["cases"].items() if k.startswith("cudnn/")}
     if order == "none":
         assert all(v["status"] == "raised" for v in cudnn.values())
@@ -525,6 +528,7 @@ result["status"] = {f.id: [f.detected, f.applied, f.reason.split(":")[0]] for f 
 result["patched"] = [diffusers_cudnn_fix.is_patched(f"TemplatedRingAttention.{n}") for n in ("forward", "backward")]
 print(json.dumps(result))
 """,
+        preloaded=True,
     )
     tolerance = scenario_ring.TOLERANCE
     assert result["status"] == {

@@ -1,4 +1,6 @@
-"""Import never breaks the host; switches; odd diffusers builds. Each case in a fresh interpreter."""
+"""Import never breaks the host; switches; odd diffusers builds. Each case in a process of its own: a fresh
+interpreter where the case is about torch, CUDA or import cost; otherwise forked from one that has imported
+torch only (``releases.run(preloaded=True)``)."""
 
 from __future__ import annotations
 
@@ -161,6 +163,7 @@ def test_off_switch_leaves_diffusers_as_shipped() -> None:
             """
         ),
         env={"DIFFUSERS_CUDNN_FIX": "0"},
+        preloaded=True,
     )
     assert result["untouched"] is True
     assert result["module"] == "diffusers.models.attention_dispatch"
@@ -181,6 +184,7 @@ def test_skip_switch_checks_but_leaves_the_named_fix_and_says_so() -> None:
             """
         ),
         env={"DIFFUSERS_CUDNN_FIX_SKIP": "flash_backward_kv"},
+        preloaded=True,
     )
     fixes = {f["id"]: f for f in result["status"]["fixes"]}
     assert fixes["flash_backward_kv"]["applied"] is False
@@ -210,6 +214,7 @@ def test_skipping_the_lse_fix_turns_garbage_into_a_clear_error() -> None:
             """
         ),
         env={"DIFFUSERS_CUDNN_FIX_SKIP": "cudnn_forward_lse"},
+        preloaded=True,
     )
     assert result["without_lse"]["status"] == "raised"
     assert "cudnn_forward_lse" in result["without_lse"]["error"]
@@ -254,6 +259,7 @@ def test_internal_error_in_the_hook_warns_and_leaves_diffusers_as_shipped() -> N
             done(untouched=[getattr(m, n).__module__ == "diffusers.models.attention_dispatch" for n in names])
             """
         ),
+        preloaded=True,
     )
     # Nothing half-applied: the forward fix that went in before the failure was taken out again.
     assert result["untouched"] == [True, True, True]
@@ -320,6 +326,7 @@ def test_odd_builds_never_raise_and_are_left_alone(tmp_path: Path, build: str, o
                           if (getattr(getattr(m, n), "__module__", "") or "").startswith("diffusers_cudnn_fix")])
             """
         ),
+        preloaded=True,
     )
     assert result["foreign"] == []  # nothing of ours went in
     fixes = {f["id"]: f for f in result["status"]["fixes"]}
@@ -340,6 +347,7 @@ def test_dev_build_with_the_old_code_is_fixed() -> None:
     result = run(
         relabelled_copy("0.39.0", "0.40.0.dev0"),
         script("import diffusers_cudnn_fix, diffusers.models.attention_dispatch\ndone()\n"),
+        preloaded=True,
     )
     assert result["status"]["diffusers_version"] == "0.40.0.dev0"
     fixes = {f["id"]: f for f in result["status"]["fixes"]}
@@ -353,6 +361,7 @@ def test_fixed_code_labelled_as_an_affected_release_is_left_alone() -> None:
     result = run(
         relabelled_copy("0.40.0", "0.39.0"),
         script("import diffusers_cudnn_fix, diffusers.models.attention_dispatch\ndone()\n"),
+        preloaded=True,
     )
     fixes = {f["id"]: f for f in result["status"]["fixes"]}
     fixed_in_040 = ("cudnn_forward_lse", "cudnn_backward_kv", "flash_backward_kv", "ring_backward")
@@ -383,6 +392,7 @@ def test_double_import_and_reload_apply_once_and_log_once() -> None:
             done(same=m._cudnn_attention_backward_op is first)
             """
         ),
+        preloaded=True,
     )
     assert result["same"] is True
     applied_lines = [line for line in result["logs"] if "applied" in line]
@@ -404,6 +414,7 @@ def test_reloading_diffusers_module_is_noticed_and_reapplied() -> None:
             done(after_reload=after_reload, before=before)
             """
         ),
+        preloaded=True,
     )
     assert result["after_reload"]["ok"] is False
     assert all(not f["applied"] for f in result["after_reload"]["fixes"])
@@ -413,7 +424,9 @@ def test_reloading_diffusers_module_is_noticed_and_reapplied() -> None:
 
 def test_info_line_says_the_package_can_go_on_a_fixed_release() -> None:
     result = run(
-        release_dir("0.42.1"), script("import diffusers_cudnn_fix, diffusers.models.attention_dispatch\ndone()\n")
+        release_dir("0.42.1"),
+        script("import diffusers_cudnn_fix, diffusers.models.attention_dispatch\ndone()\n"),
+        preloaded=True,
     )
     removable = [line for line in result["logs"] if "can be removed" in line]
     assert len(removable) == 1 and "0.42.1" in removable[0]

@@ -23,6 +23,11 @@ from releases import ROOT, release_dir, run
 
 #: Releases that ship the cuDNN context-parallel ops (every one carries at least the mask and dtype bugs).
 AFFECTED = ("0.36.0", "0.37.0", "0.37.1", "0.38.0", "0.39.0", "0.40.0", "0.41.0", "0.42.0", "0.42.1")
+#: Patch releases whose ``models/`` and ``hooks/`` (the attention dispatch and context parallelism under test)
+#: are byte for byte their neighbour's: with the "ci" and "short" profiles the search runs on the neighbour
+#: only (the package detects the same behaviour there; tests/test_release_matrix.py checks what it applies on
+#: each in both import orders). The "thorough" profile searches every release.
+SAME_CODE_AS = {"0.37.1": "0.37.0", "0.42.0": "0.42.1"}
 CONTROL = "0.39.0"
 
 pytestmark = pytest.mark.slow
@@ -39,6 +44,7 @@ def _search(version: str, mode: str) -> dict:
         f"import scenario_properties; scenario_properties.main({mode!r})",
         env={"HYPOTHESIS_PROFILE": _profile()},
         timeout=timeout,
+        preloaded=True,
     )
 
 
@@ -83,7 +89,11 @@ def _describe(result: dict) -> str:
     return "\n".join(lines)
 
 
-@pytest.mark.parametrize("version", AFFECTED)
+def _searched() -> tuple[str, ...]:
+    return tuple(v for v in AFFECTED if _profile() == "thorough" or v not in SAME_CODE_AS)
+
+
+@pytest.mark.parametrize("version", _searched())
 def test_every_input_is_right_or_refused_clearly(searches, version: str) -> None:
     result = searches[version].result()
     assert result["package"] and result["package"].startswith(str(ROOT)), result["package"]

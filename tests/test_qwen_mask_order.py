@@ -189,7 +189,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def entering_038() -> dict:
-    return run(release_dir("0.38.0"), ENTERING_SCRIPT)
+    return run(release_dir("0.38.0"), ENTERING_SCRIPT, preloaded=True)
 
 
 def _mask(result: dict) -> torch.Tensor:
@@ -302,7 +302,7 @@ def test_padded_qwen_trains_right_under_ulysses(version: str, record_property) -
     in the global order), 0.37.0's 2-D mask is refused by the stand-in kernel."""
     jobs = _train_jobs(version)
     script = TRAIN_SCRIPT.format(reference=REFERENCE[version], jobs=jobs)
-    out = run(release_dir(version), script, timeout=300 * len(jobs))
+    out = run(release_dir(version), script, timeout=300 * len(jobs), preloaded=True)
     results = dict(zip(((job.get("world_size", 2), skip) for job, skip in jobs), out["jobs"], strict=True))
     for result in results.values():
         result["_stderr"] = out["_stderr"]

@@ -5,7 +5,9 @@ kernels, with return_lse False and True, for num_heads == seq_len, num_heads != 
 and compares out / dQ / dK / dV with an fp32 reference (``scenario_grads.py``). The same run without the
 package must fail on the broken releases: that is what makes the passing runs mean something.
 
-Two fresh interpreters per release, one per import order, each shared by the tests below (``_job``):
+Two fresh interpreters per release, one per import order, each shared by the tests below (``_job``), forked
+from one that has imported torch only (``releases.run(preloaded=True)``: diffusers and the package are
+imported by each in its order):
 package first; and diffusers first, which runs the control (diffusers as shipped, the package not
 imported yet) before it imports the package. Both also run the cases through TemplatedUlyssesAttention.
 """
@@ -34,7 +36,7 @@ def _job(version: str, order: str) -> dict:
         control = order == "diffusers_first"
         script = SCRIPT.format(order=order, control=control, ulysses=version in ULYSSES_RELEASES)
         try:
-            _jobs[key] = run(release_dir(version), script)
+            _jobs[key] = run(release_dir(version), script, preloaded=True)
         except BaseException as exc:
             _jobs[key] = exc
     result = _jobs[key]
