@@ -1,58 +1,31 @@
 """QwenImage's joint attention mask meets Ulysses' K/V in another token order: padded prompts train wrong.
 
-Bug: QwenImage builds its joint attention mask once per forward, full length, in the global token order
-[all text, all image]. Its context-parallel plan shards the text and the image streams separately, so each
-rank's joint sequence is [its text, its image]; Ulysses attention gathers K/V in rank order
-[text_0, image_0, text_1, image_1, ...] and hands the op the mask as it came. With padded prompts the mask
-then masks image tokens and lets padding through: wrong outputs and gradients, silently, on every attention
-backend (a two-process training step of a tiny QwenImage with padded prompts: 194 % off one process on
-0.38.0, docs/cp-training-tests.md). diffusers 0.39.0 fixed it upstream: the plan shards the mask with the
-sequence and Ulysses all-gathers a sequence-local mask, so both follow the same order.
-
-Releases: those whose Ulysses attention hands the op the mask as it came, 0.36.0 to 0.38.0 (on 0.37.x a
-padded prompt already fails inside diffusers, in one process too).
-
-Detection: run diffusers' own ``TemplatedUlyssesAttention.forward`` (the innermost function, Ulysses degree
-2, stand-in collectives) with a padded sequence-local mask: ok where it gathers the mask into the K/V's
-order before the op (0.39+). Where it hands the mask on as it came, call the installed forward from a
-stand-in of QwenImage's module whose plan does not shard the mask: ok where that is refused, broken where it
-goes on into diffusers' code.
-
-Replacement: the installed forward behind a check that raises :class:`UnsafeAttentionError`, naming the
-cause and the ways out, when a mask that masks something reaches it at Ulysses degree > 1 from QwenImage's
-attention (the calling frame's module) and that module's ``QwenImageTransformer2DModel._cp_plan`` does not
-shard ``encoder_hidden_states_mask``. Every other call passes through untouched: a model that shards one
-sequence gets its mask in the right order from this Ulysses, and a QwenImage mask without padding masks
-nothing. Whether the mask masks anything is read once per mask object and version (one device sync, not one
-per layer). Inside a ``torch.compile`` graph neither the caller nor the mask can be read: there any mask at
-Ulysses degree > 1 with QwenImage's unsharding plan loaded makes dynamo run that call eagerly, where the check
-above decides (with ``fullgraph=True`` it is an error naming the cause).
-
-Revert: the class's original ``forward`` staticmethod is put back (the registry keeps it).
+Bug: QwenImage builds its joint mask in global order [all text, all image] while its CP plan shards text and
+image apart, so Ulysses' K/V arrive as [text_0, image_0, text_1, ...]: padded prompts train silently wrong on
+every backend. Releases 0.36.0-0.38.0 (0.39.0 shards the mask and gathers it; docs/cp-training-tests.md).
+Detection: does diffusers' own Ulysses forward gather a sequence-local mask? If not, is QwenImage's refused?
+The package: :func:`refuse_unordered_qwen_mask` raises :class:`UnsafeAttentionError` for a masking joint
+mask from QwenImage with an unsharding plan at Ulysses degree > 1 (docs/fixes.md).
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import sys
 import types
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from .. import _detect
-from .._fix import Finding, Fix, Lookup
+from .._fix import Finding, Lookup, shipped_of
 from .._warnings import UnsafeAttentionError
 
 TARGET = "TemplatedUlyssesAttention.forward"
 QWEN_MODULE = "diffusers.models.transformers.transformer_qwenimage"
 QWEN_MODEL = "QwenImageTransformer2DModel"
 MASK_INPUT = "encoder_hidden_states_mask"
-#: Position of ``_parallel_config`` among the forward's arguments after the mask.
-_CONFIG_AFTER_MASK = 7
 #: Frames between the forward and the attention processor that called it are diffusers' dispatch, torch's
 #: autograd and this package; a deeper caller is not the processor.
 _MAX_FRAMES = 16
@@ -124,37 +97,26 @@ def _qwen_caller(frame: types.FrameType | None) -> dict[str, Any] | None:
     return None
 
 
-def refusing_unordered_qwen_masks(shipped: Callable[..., Any]) -> Callable[..., Any]:
-    """``shipped`` (``TemplatedUlyssesAttention.forward``) refusing QwenImage's unsharded joint mask."""
-
-    @functools.wraps(shipped)  # keeps the signature, which the other Ulysses fixes read
-    def forward(
-        ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, *args: Any, **kwargs: Any
-    ) -> Any:
-        if isinstance(attn_mask, torch.Tensor):
-            positional = args[_CONFIG_AFTER_MASK] if len(args) > _CONFIG_AFTER_MASK else None
-            config = kwargs.get("_parallel_config", positional)
-            degree = getattr(getattr(config, "context_parallel_config", None), "ulysses_degree", 1)
-            if isinstance(degree, int) and degree > 1:
-                if torch.compiler.is_compiling():
-                    # Neither the calling frame nor the mask's values can be read while tracing. Raising here
-                    # makes dynamo run this call eagerly, where they can (with fullgraph=True it is an error
-                    # that carries this message instead).
-                    if _unsharded_qwen_loaded():
-                        raise UnsafeAttentionError(COMPILE_MESSAGE.format(degree=degree))
-                else:
-                    caller = _qwen_caller(sys._getframe(1))
-                    model = caller.get(QWEN_MODEL) if caller is not None else None
-                    if (
-                        model is not None
-                        and not _plan_shards_the_mask(getattr(model, "_cp_plan", None))
-                        and _masks_something(attn_mask)
-                    ):
-                        raise UnsafeAttentionError(MESSAGE.format(degree=degree))
-        return shipped(ctx, query, key, value, attn_mask, *args, **kwargs)
-
-    forward.__doc__ = "diffusers' Ulysses forward, refusing QwenImage's joint mask where it is in the wrong order."
-    return forward
+def refuse_unordered_qwen_mask(attn_mask: torch.Tensor, config: Any) -> None:
+    """Raises where QwenImage's joint mask (read off the calling frames: through the package, dispatch and
+    autograd) would meet the K/V in another token order at Ulysses degree > 1; returns for every other call."""
+    degree = getattr(getattr(config, "context_parallel_config", None), "ulysses_degree", 1)
+    if not isinstance(degree, int) or degree <= 1:
+        return
+    if torch.compiler.is_compiling():
+        # Neither the calling frame nor the mask's values can be read while tracing. Raising here makes dynamo
+        # run this call eagerly, where they can (with fullgraph=True it is an error that carries this message).
+        if _unsharded_qwen_loaded():
+            raise UnsafeAttentionError(COMPILE_MESSAGE.format(degree=degree))
+        return
+    qwen = _qwen_caller(sys._getframe(1))
+    model = qwen.get(QWEN_MODEL) if qwen is not None else None
+    if (
+        model is not None
+        and not _plan_shards_the_mask(getattr(model, "_cp_plan", None))
+        and _masks_something(attn_mask)
+    ):
+        raise UnsafeAttentionError(MESSAGE.format(degree=degree))
 
 
 class _ReachedOp(Exception):
@@ -232,7 +194,7 @@ def check(lookup: Lookup) -> Finding:
     forward = lookup(TARGET)
     if forward is None:
         return Finding("absent", "this diffusers has no TemplatedUlyssesAttention")
-    gathers = _shipped_gathers(inspect.unwrap(forward))
+    gathers = _shipped_gathers(shipped_of(lookup, TARGET))
     if isinstance(gathers, str):
         return Finding("unknown", f"the Ulysses forward could not be run in one process ({gathers})")
     if gathers:
@@ -252,19 +214,3 @@ def check(lookup: Lookup) -> Finding:
         "Ulysses hands the attention op the mask as it came, in global token order, while QwenImage's joint K/V "
         "arrive in rank order",
     )
-
-
-def build(lookup: Lookup) -> Mapping[str, Any]:
-    return {TARGET: staticmethod(refusing_unordered_qwen_masks(lookup(TARGET)))}
-
-
-FIX = Fix(
-    id="qwen_joint_mask_order",
-    title="QwenImage's joint mask meets Ulysses' K/V in another token order: padded prompts train wrong",
-    upstream="fixed in diffusers 0.39.0 (the plan shards the mask; Ulysses all-gathers it)",
-    affected=">=0.36.0,<0.39.0",
-    targets=(TARGET,),
-    check=check,
-    build=build,
-    kind="guard",
-)
