@@ -352,11 +352,16 @@ def probe_and_ops(
     args: Any, sections: set[str], results: dict[str, Any], torch: Any, dev: Any, m039: Any, probe: Any
 ) -> None:
     import diffusers_cudnn_fix
-    from diffusers_cudnn_fix.fixes.cudnn_backward_kv import cudnn_attention_backward_op as corrected_bwd
-    from diffusers_cudnn_fix.fixes.cudnn_forward_lse import cudnn_attention_forward_op as corrected_fwd
+    from diffusers_cudnn_fix.targets import cudnn
 
     ops040 = load_040_ops()
     shipped_fwd = diffusers_cudnn_fix.get_original("_cudnn_attention_forward_op")
+    # The corrected ops alone: the replacements built with the K/V and log-sum-exp corrections only.
+    callable_of = diffusers_cudnn_fix._registry.callable_of
+    corrected_fwd = cudnn.forward_op(callable_of(shipped_fwd), frozenset({"cudnn_forward_lse"}))
+    corrected_bwd = cudnn.backward_op(
+        callable_of(diffusers_cudnn_fix.get_original(cudnn.BACKWARD)), frozenset({"cudnn_backward_kv"})
+    )
     from diffusers_cudnn_fix import _devices
 
     # The probe first: its first call in this process is what a training run pays.

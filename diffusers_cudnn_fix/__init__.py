@@ -49,19 +49,9 @@ Public API:
 - the warning categories (:class:`DiffusersCudnnFixWarning` and its subclasses, all ``RuntimeWarning``)
   and :class:`UnsafeAttentionError`, raised where a result would be wrong and cannot be corrected.
 
-Switches (environment, read when used; values are case-insensitive; a bad value gives one
-:class:`SwitchValueWarning` saying what is used instead; docs/behaviour.md has the whole contract):
-
-- ``DIFFUSERS_CUDNN_FIX=0`` (or ``off`` / ``false`` / ``no``) turns the package off; ``1``, the default,
-  leaves it on; a bad value means on;
-- ``DIFFUSERS_CUDNN_FIX_SKIP=id,...`` leaves the named fixes alone (they are still checked, and
-  :func:`status` says the bug stays); unknown ids are ignored;
-- ``DIFFUSERS_CUDNN_FIX_MASK=convert|warn|error`` (or :func:`set_mask_mode`): what happens to a bool or
-  wrongly typed mask reaching the cuDNN context-parallel op: converted to an additive mask in q's dtype
-  (``convert``, the default and what a bad value means), passed through with a warning, or refused;
-- ``DIFFUSERS_CUDNN_FIX_PROBE=warn|strict|off`` (or :func:`set_probe_mode`): what a failed GPU probe
-  does: a ``ProbeFailedWarning`` (``warn``, the default), an :class:`UnsafeAttentionError` at every call
-  of a corrected op on that device (``strict``, what a bad value means), or no probe at all (``off``).
+Switches: ``DIFFUSERS_CUDNN_FIX`` (``0`` turns the package off), ``DIFFUSERS_CUDNN_FIX_SKIP`` (fix ids to
+leave alone), ``DIFFUSERS_CUDNN_FIX_MASK`` (:func:`set_mask_mode`) and ``DIFFUSERS_CUDNN_FIX_PROBE``
+(:func:`set_probe_mode`); their values and defaults are documented once, in docs/behaviour.md, "Switches".
 """
 
 from __future__ import annotations

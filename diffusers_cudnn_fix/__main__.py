@@ -145,14 +145,9 @@ def _environment() -> dict[str, Any]:
 def _check_findings() -> dict[str, Any]:
     """What the behavioural check sees now, on the installed objects: per fix, state and evidence."""
     from . import _registry
-    from .fixes import ALL_FIXES
 
-    module = sys.modules[_registry.MODULE_NAME]
-    now = {}
-    for fix in ALL_FIXES:
-        finding = fix.check(lambda name: _registry.callable_of(_registry.raw_get(module, name)))
-        now[fix.id] = {"state": finding.state, "detail": finding.detail}
-    return now
+    found = _registry.check_live(sys.modules[_registry.MODULE_NAME])
+    return {fix_id: {"state": f.state, "detail": f.detail} for fix_id, f in found.items()}
 
 
 def _shipped_vs_corrected(device: Any) -> list[dict[str, Any]]:
@@ -215,6 +210,13 @@ def _needs(report_fixes: list[dict[str, Any]], live: dict[str, Any]) -> dict[str
     }
 
 
+def release_table() -> list[dict[str, str]]:
+    """Per fix: id, the releases the table lists (a PEP 440 specifier), kind and title (no torch needed)."""
+    from .fixes import ALL_FIXES
+
+    return [{"id": f.id, "affected": f.affected, "kind": f.kind, "title": f.title} for f in ALL_FIXES]
+
+
 def collect(run_gpu: bool = True) -> tuple[dict[str, Any], int]:
     """Everything the doctor shows, as data, and the exit status."""
     try:
@@ -222,7 +224,10 @@ def collect(run_gpu: bool = True) -> tuple[dict[str, Any], int]:
         import torch  # noqa: F401
     except Exception as exc:  # noqa: BLE001
         error = f"cannot import diffusers' attention module: {type(exc).__name__}: {exc}"
-        return {"version": __version__, "error": error, "exit_status": EXIT_NO_DIFFUSERS}, EXIT_NO_DIFFUSERS
+        table = release_table()
+        return {"version": __version__, "error": error, "release_table": table, "exit_status": EXIT_NO_DIFFUSERS}, (
+            EXIT_NO_DIFFUSERS
+        )
 
     import diffusers_cudnn_fix
 
@@ -355,6 +360,11 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
         print(f"diffusers_cudnn_fix {data['version']} doctor: {data['error']}")
         print("Install diffusers and torch into this interpreter (the one that runs the training), then run the")
         print("doctor again.")
+        print("\nThe release table (the releases each fix's bug is known in; the check decides once diffusers runs):")
+        for line in _columns(
+            [("fix", "releases", "kind"), *((r["id"], r["affected"], r["kind"]) for r in data["release_table"])]
+        ):
+            print(line)
         print(f"\nexit status {EXIT_NO_DIFFUSERS}")
         return
     from .fixes import ALL_FIXES

@@ -14,6 +14,7 @@ up as a shape change.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from collections.abc import Callable
@@ -24,7 +25,7 @@ import torch
 from packaging.version import Version
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._fix import Finding
+from ._fix import Finding, Lookup
 
 # Model layout (B, S, H, D) shapes used by the check. All distinct so that a swapped pair of dims is visible.
 BATCH, SEQ_Q, SEQ_KV, HEADS, HEAD_DIM = 2, 5, 7, 3, 8
@@ -455,11 +456,85 @@ def with_globals(fn: Callable[..., Any], **overrides: Any) -> Callable[..., Any]
     return copy
 
 
+def with_stand_ins(fn: Callable[..., Any], shipped: Any, **overrides: Any) -> Callable[..., Any]:
+    """``fn`` running diffusers' code with ``overrides`` in place of some of its globals (the collectives).
+
+    ``fn`` is diffusers' own function (``shipped``): a copy of it (:func:`with_globals`). ``fn`` is a
+    replacement calling diffusers' function: it takes that function as its keyword ``_shipped``, and is handed
+    such a copy there. Anything else runs as it is.
+    """
+    if fn is shipped and isinstance(fn, types.FunctionType):
+        return with_globals(fn, **overrides)
+    if isinstance(shipped, types.FunctionType) and "_shipped" in (getattr(fn, "__kwdefaults__", None) or {}):
+        return functools.partial(fn, _shipped=with_globals(shipped, **overrides))
+    return fn
+
+
 #: Stands in for a DeviceMesh in the class checks: the stand-in collectives ignore the group.
 FAKE_MESH = types.SimpleNamespace(get_group=lambda: None)
+
+
+def run_ulysses_backward(backward: Any, shipped: Any) -> tuple[tuple[Any, ...] | None, str | None]:
+    """Run a Ulysses ``backward`` (degree 1, stand-in collectives, a backward op returning empty gradients) in
+    this process; returns what it returned, or None and the error. ``shipped``: diffusers' own backward."""
+
+    def backward_op(ctx: Any, grad: torch.Tensor, *a: Any, **kw: Any) -> tuple[torch.Tensor, ...]:
+        return torch.empty_like(grad), torch.empty_like(grad), torch.empty_like(grad)  # only counted
+
+    config = types.SimpleNamespace(_ulysses_mesh=FAKE_MESH, ulysses_degree=1, _world_size=2)
+    ctx = types.SimpleNamespace(
+        _parallel_config=types.SimpleNamespace(context_parallel_config=config), backward_op=backward_op
+    )
+    run = with_stand_ins(backward, shipped, _all_to_all_single=lambda x, group=None: x)
+    try:
+        return tuple(run(ctx, torch.empty(1, 4, 2, 8))), None
+    except Exception as exc:  # noqa: BLE001 - an unknown build: say so
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 def input_count(forward: Callable[..., Any]) -> int | None:
     """How many inputs an ``autograd.Function.forward`` takes (its parameters after ``ctx``)."""
     found = _positional_params(forward)
     return None if found is None or found[1] else len(found[0]) - 1
+
+
+RING_CLASS = "TemplatedRingAttention"
+#: Positional parameters of ``TemplatedRingAttention.forward`` in 0.36.0 to 0.42.1 (the op's, with the op pair
+#: in place of ``_save_ctx``); a class whose forward takes others is left alone.
+RING_FORWARD_PARAMS = (*FORWARD_PARAMS[:-2], "forward_op", "backward_op", "_parallel_config")
+
+
+def installed_ring(lookup: Lookup) -> tuple[Any, Any] | Finding:
+    """The ``TemplatedRingAttention`` forward and backward as ``lookup`` sees them, or why they cannot be checked."""
+    forward, backward = lookup(f"{RING_CLASS}.forward"), lookup(f"{RING_CLASS}.backward")
+    if lookup(RING_CLASS) is None or forward is None or backward is None:
+        return Finding("absent", "this diffusers has no TemplatedRingAttention")
+    if not all(isinstance(fn, types.FunctionType) for fn in (forward, backward)):
+        return Finding("unknown", "TemplatedRingAttention's forward/backward are not plain functions")
+    if not signature_matches(forward, RING_FORWARD_PARAMS):
+        return Finding("unknown", "TemplatedRingAttention.forward takes other parameters than every known release")
+    return forward, backward
+
+
+def run_ring(
+    forward: Any, backward: Any, forward_op: Any, backward_op: Any, *, world: int, gather: Any, permute: Any, shape: Any
+) -> tuple[Any, Any]:
+    """Run a ring ``forward``, then its ``backward``, as rank 0 of ``world`` ranks in this process, with stand-in
+    collectives (``gather``, ``permute``) and attention ops on zero q/k/v of ``shape``; the package's corrected
+    ring drives ``backward_op`` as a known step op (its ``STEP_BACKWARD_OPS``). Returns (output, gradients)."""
+    collectives = types.SimpleNamespace(
+        all_gather_tensor=gather, permute_tensor=permute, AsyncCollectiveTensor=type("AsyncCollectiveTensor", (), {})
+    )
+    config = types.SimpleNamespace(
+        _ring_mesh=FAKE_MESH, _ring_local_rank=0, ring_degree=world, convert_to_fp32=False, _world_size=world
+    )
+    ctx = ProbeCtx()
+    q, k, v = (torch.zeros(shape) for _ in range(3))
+    result = with_globals(forward, funcol=collectives)(
+        ctx, q, k, v, None, 0.0, False, None, False, False, forward_op, backward_op,
+        types.SimpleNamespace(context_parallel_config=config),
+    )  # fmt: skip
+    grads = with_globals(backward, funcol=collectives, STEP_BACKWARD_OPS={backward_op: "check"})(
+        ctx, torch.zeros(shape)
+    )
+    return result, grads

@@ -1,10 +1,10 @@
-"""The record every fix module declares, what its behavioural check returns, and the release table's reader."""
+"""The fix record (torch-free), what a behavioural check returns, and the release table's reader."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -14,8 +14,18 @@ from packaging.version import InvalidVersion, Version
 #: do not exist (release without the feature); ``unknown``: unexpected signature or behaviour, left alone.
 State = Literal["broken", "ok", "absent", "unknown"]
 
-#: Looks up an attribute of diffusers' attention module (or a candidate replacing it); None if missing.
-Lookup = Callable[[str], Any]
+
+class Lookup(Protocol):
+    """An attribute of diffusers' attention module (``"Class.attr"`` too) as the check should see it: the
+    shipped object, or the replacement being verified; None if missing. The registry's lookups also carry
+    ``shipped(name)``, what diffusers shipped (:func:`shipped_of` reads it)."""
+
+    def __call__(self, name: str, /) -> Any: ...
+
+
+def shipped_of(lookup: Lookup, name: str) -> Any:
+    """What diffusers shipped at ``name``, for a check that must run diffusers' own code under a replacement."""
+    return getattr(lookup, "shipped", lookup)(name)
 
 
 @dataclass(frozen=True)
@@ -28,25 +38,28 @@ class Finding:
 
 @dataclass(frozen=True)
 class Fix:
-    """One upstream bug and how this package handles it.
+    """One upstream bug and how this package handles it: plain data, no torch.
+
+    Its check lives in ``fixes/<id>.py`` (``check(lookup) -> Finding``, run on the shipped code, and on the
+    replacements before they are installed); its policy is one step of the replacement of each target
+    (``targets/``), taken where the check finds the bug. docs/adding-a-fix.md lists what a new fix needs.
 
     Attributes:
         id: short stable name, used by ``DIFFUSERS_CUDNN_FIX_SKIP`` and in ``status()``.
         title: one line saying what goes wrong.
         upstream: where upstream tracks or fixed it.
         affected: PEP 440 specifier of the releases known to carry the bug (the release table); it sets
-            expectations only, ``check`` decides.
-        targets: attributes of ``diffusers.models.attention_dispatch`` that ``build`` replaces.
-        check: runs the installed code (through the lookup) and says whether the bug is there.
-        build: returns the replacement objects for ``targets``, given the current ones through the lookup.
-            Reverting puts the objects that were there before back, so no fix needs its own undo.
+            expectations only, the check decides.
+        targets: attributes of ``diffusers.models.attention_dispatch`` whose replacement takes its policy.
         kind: ``"correction"`` (makes wrong gradients right) or ``"guard"`` (stops, warns or converts where
             diffusers would compute wrong results and no correction is offered).
         note: optional; a few words on the fix's live settings for the report (a mode, say).
         only_for: for a correction that matters only to some context-parallel runs, those runs in a few
-            words (``"ring_degree >= 3"``): where it is the only correction needed, the doctor and the log
-            still say the package can be removed, for every other run.
+            words: where it is the only correction needed, the doctor and the log still say the package can
+            be removed, for every other run.
         old_ids: ids this fix had in earlier versions, still accepted by ``DIFFUSERS_CUDNN_FIX_SKIP``.
+        checked_after: fixes whose replacements this check must see (ring_grad_route's check finds
+            ring_backward's corrected ring right): it runs on those replacements instead of the shipped code.
     """
 
     id: str
@@ -54,12 +67,11 @@ class Fix:
     upstream: str
     affected: str
     targets: tuple[str, ...]
-    check: Callable[[Lookup], Finding]
-    build: Callable[[Lookup], Mapping[str, Any]]
     kind: Literal["correction", "guard"] = "correction"
     note: Callable[[], str] | None = None
     only_for: str = ""
     old_ids: tuple[str, ...] = ()
+    checked_after: tuple[str, ...] = ()
 
 
 def release_table_lists(specifier: str, version: str) -> bool | None:

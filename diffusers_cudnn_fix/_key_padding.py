@@ -93,12 +93,15 @@ def trim(
     value: torch.Tensor,
     given: torch.Tensor,
     mask: torch.Tensor,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    *,
+    dropout_p: float,
+    is_causal: bool,
+    save_ctx: bool,
+    parallel_config: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(key, value, mask) for diffusers' cuDNN forward op: trimmed to the valid keys where ``given`` (the mask
-    as it reached the op) only pads keys, else as they came. ``mask`` is ``given`` after the mask policy;
-    ``args`` / ``kwargs`` the op's arguments after the mask. Records on ``ctx`` what ``restored`` needs."""
+    as it reached the op) only pads keys, else as they came. ``mask`` is ``given`` after the mask policy; the
+    keywords are the op's own arguments. Records on ``ctx`` what ``restored`` needs."""
     if torch.compiler.is_compiling() or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
         return key, value, mask
     if ctx is not None:
@@ -113,12 +116,11 @@ def trim(
         or given.is_inference()  # no version counter: a plan could not be cached
     ):
         return key, value, mask
-    if (args[0] if args else kwargs.get("dropout_p", 0.0)) or (args[1] if len(args) > 1 else kwargs.get("is_causal")):
+    if dropout_p or is_causal:
         return key, value, mask
-    config = getattr(args[6] if len(args) > 6 else kwargs.get("_parallel_config"), "context_parallel_config", None)
+    config = getattr(parallel_config, "context_parallel_config", None)
     if getattr(config, "ring_degree", 1) > 1:  # ring attention hands the op K/V chunks (and refuses masks)
         return key, value, mask
-    save_ctx = args[5] if len(args) > 5 else kwargs.get("_save_ctx", True)
     if save_ctx and not getattr(getattr(ctx, "backward_op", None), RESTORES, False):
         return key, value, mask  # the backward that will run could not scatter the K/V gradients back
     # Only in convert mode (warn: as upstream; error: bool masks never get here); mask_mode() without its frame.

@@ -42,14 +42,18 @@ def realigned(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
-def refuse_one_head_or_query_while_compiling(query: torch.Tensor) -> None:
-    """Inside a ``torch.compile`` graph, refuse q with one head or one query position (model layout).
+def entering(query: torch.Tensor) -> None:
+    """What every replaced forward op does first: hand a CUDA device to the GPU probe (once per device), and
+    inside a ``torch.compile`` graph refuse q with one head or one query position (model layout).
 
     On the H200 (inductor, torch 2.11) such calls of diffusers' cuDNN and flash context-parallel ops gave wrong
     gradients in every random case drawn, while the same calls run eagerly were right (docs/behaviour.md). Raising
     while tracing makes dynamo run the call eagerly; with ``fullgraph=True`` it is an error carrying this text.
     """
-    if torch.compiler.is_compiling() and (query.shape[1] == 1 or query.shape[2] == 1):
+    if not torch.compiler.is_compiling():
+        if query.is_cuda:
+            _devices.on_cuda_call(query)
+    elif query.shape[1] == 1 or query.shape[2] == 1:
         raise UnsafeAttentionError(
             f"diffusers_cudnn_fix: inside a torch.compile graph, diffusers' context-parallel cuDNN / flash attention "
             f"with q of shape {tuple(query.shape)} (batch, sequence, heads, head dim: one head or one query position "
@@ -58,6 +62,28 @@ def refuse_one_head_or_query_while_compiling(query: torch.Tensor) -> None:
             "fullgraph=True, run the attention eagerly (torch.compiler.disable around it) or choose context-parallel "
             "degrees that leave more than one head per rank."
         )
+
+
+def realigned_all(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """:func:`realigned` of each of ``xs`` (one call on the hot path)."""
+    if torch.compiler.is_compiling():
+        return tuple(x.clone(memory_format=torch.contiguous_format) for x in xs)
+    return tuple(x if x.data_ptr() % ALIGNMENT == 0 else x.clone(memory_format=torch.contiguous_format) for x in xs)
+
+
+def kernel_layout(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """:func:`to_kernel_layout` of each of ``xs``, in one call (the cuDNN forward's hot path)."""
+    compiling = torch.compiler.is_compiling()
+    views = xs[0].is_cuda and not compiling and _devices.zero_copy_allowed(xs[0].device)
+    out = []
+    for x in xs:
+        x = x.transpose(1, 2)
+        if views and aligned(x):
+            out.append(x)
+            continue
+        x = x.contiguous()
+        out.append(x.clone(memory_format=torch.contiguous_format) if compiling or x.data_ptr() % ALIGNMENT else x)
+    return tuple(out)
 
 
 def to_kernel_layout(x: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,6 @@ import torch.backends.cudnn
 from . import _detect, _devices, _registry, _switches
 from ._devices import CaseResult, ProbeResult
 from ._warnings import ProbeFailedWarning, UnsafeAttentionError, logger, report
-from .fixes.cudnn_forward_lse import cudnn_attention_forward_op
 
 MODULE_NAME = _switches.MODULE_NAME
 
@@ -206,12 +205,7 @@ def _run_all(module: types.ModuleType | None, device: torch.device) -> tuple[lis
 def _corrected_forward_installed(module: types.ModuleType) -> bool:
     if not _registry.is_patched("_cudnn_attention_forward_op"):
         return False
-    fn = getattr(module, "_cudnn_attention_forward_op", None)
-    while fn is not None:
-        if fn is cudnn_attention_forward_op:
-            return True
-        fn = getattr(fn, "__wrapped__", None)
-    return False
+    return bool(getattr(getattr(module, "_cudnn_attention_forward_op", None), "zero_copy", False))
 
 
 class _Harness(torch.autograd.Function):

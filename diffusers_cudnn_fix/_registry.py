@@ -1,11 +1,16 @@
 """Apply / revert machinery and the status report. One lock; the shipped objects are kept once.
 
+Applying: every fix's check runs on the shipped code; each group of targets (``targets/``) builds its one
+replacement per target from the set of fixes found broken; every fix found broken must pass its own check
+on the replacements, or is left out and the group rebuilt without it; then the replacements are installed.
 What is *applied* is never a stored flag: it is read off the live module (is the attribute our
 replacement?), so a reload of diffusers' module or someone else's patch cannot leave the report stale.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import sys
 import threading
 from collections.abc import Iterator
@@ -16,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from . import _switches
 from ._fix import Finding, Fix, release_table_lists
 from ._warnings import FixNotAppliedWarning, ReleaseTableMismatchWarning, StaleReferenceWarning, logger, report
+from .fixes import ALL_FIXES
 
 if TYPE_CHECKING:
     from ._report import Report
@@ -30,11 +36,10 @@ _SCAN_SKIP = frozenset({"torch", "diffusers_cudnn_fix"}) | frozenset(getattr(sys
 class _Record:
     """What ``apply`` found and did for one fix."""
 
-    finding: Finding  # what the check found on the code as it was before we touched it
+    finding: Finding  # what the check found on the shipped code
     reason: str
     skipped: bool = False
     installed: bool = False  # whether apply() put the fix in (it may have been taken out since)
-    seen: tuple[Any, ...] = ()  # the objects at the fix's targets when it was checked and left alone
 
 
 class _State:
@@ -44,9 +49,10 @@ class _State:
         # Targets are attribute paths in diffusers' module: "_cudnn_attention_forward_op" or
         # "TemplatedRingAttention.backward". Objects are stored raw (a class's staticmethod, not its function).
         self.originals: dict[str, Any] = {}  # target -> the object that was there before us
-        self.installed: dict[str, Any] = {}  # target -> our outermost object
-        self.owners: dict[str, list[str]] = {}  # target -> fix ids that built it, innermost first
+        self.installed: dict[str, Any] = {}  # target -> our replacement
+        self.policies: dict[str, frozenset[str]] = {}  # target -> the fixes whose policies its replacement has
         self.records: dict[str, _Record] = {}
+        self.seen: dict[str, Any] = {}  # every target as apply() left it: a change means "check again"
         self.rebound: list[tuple[str, str, Any, Any]] = []  # (module name, global name, original, ours)
         self.stale: list[str] = []
         self.announced = False
@@ -57,14 +63,15 @@ _state = _State()
 
 
 def _fixes() -> tuple[Fix, ...]:
-    """Every fix, in order; none where torch is not installed (then there is nothing to check or fix)."""
-    try:
-        from .fixes import ALL_FIXES
-    except ModuleNotFoundError as exc:
-        if exc.name != "torch":
-            raise
+    """Every fix; none where torch is not installed (then there is nothing to check or fix)."""
+    if "torch" not in sys.modules and importlib.util.find_spec("torch") is None:
         return ()
     return ALL_FIXES
+
+
+def check_of(fix: Fix) -> Any:
+    """The fix's behavioural check, ``check`` in ``fixes/<id>.py`` (imported here: it needs torch)."""
+    return importlib.import_module(f"{__package__}.fixes.{fix.id}").check
 
 
 def _skip_spellings() -> dict[str, str]:
@@ -112,56 +119,67 @@ def callable_of(obj: Any) -> Any:
     return obj.__func__ if isinstance(obj, staticmethod) else obj
 
 
+class Objects:
+    """A check's view of diffusers' module: ``candidates`` (replacements being verified) where given, else what
+    diffusers shipped; ``shipped(name)`` always what diffusers shipped."""
+
+    def __init__(self, module: ModuleType, candidates: dict[str, Any] | None = None) -> None:
+        self.module = module
+        self.candidates = candidates or {}
+
+    def shipped(self, name: str) -> Any:
+        if name in _state.originals and _state.module is self.module:
+            return callable_of(_state.originals[name])
+        return callable_of(raw_get(self.module, name))
+
+    def __call__(self, name: str) -> Any:
+        if name in self.candidates:
+            return callable_of(self.candidates[name])
+        return self.shipped(name)
+
+
+def check_live(module: ModuleType) -> dict[str, Finding]:
+    """Every fix's check on the objects installed now (the doctor's "after patching" view)."""
+    with _state.lock:
+        installed = {t: raw_get(module, t) for t in _state.installed}
+        return {fix.id: check_of(fix)(Objects(module, installed)) for fix in _fixes()}
+
+
 def _ours(module: ModuleType, target: str) -> bool:
     return target in _state.installed and raw_get(module, target) is _state.installed[target]
 
 
 def _applied(module: ModuleType, fix: Fix) -> bool:
-    return all(fix.id in _state.owners.get(t, ()) and _ours(module, t) for t in fix.targets)
+    mine = [t for t in fix.targets if fix.id in _state.policies.get(t, ())]
+    return bool(mine) and all(_ours(module, t) for t in mine)
 
 
-def _take_out(module: ModuleType, fix_ids: set[str]) -> None:
-    """Remove these fixes, and every fix sharing a target with them, putting the originals back.
-
-    Fixes on one target form a chain of wrappers; taking one out takes the chain out, and the next apply
-    re-checks and rebuilds what is still needed.
-    """
-    doomed = set(fix_ids)
-    changed = True
-    while changed:
-        changed = False
-        for owners in _state.owners.values():
-            if doomed.intersection(owners) and not doomed.issuperset(owners):
-                doomed.update(owners)
-                changed = True
-    for target in [t for t, owners in _state.owners.items() if doomed.intersection(owners)]:
-        if _ours(module, target):
-            _raw_set(module, target, _state.originals[target])
-        del _state.installed[target], _state.originals[target], _state.owners[target]
-    for fix_id in doomed:
-        _state.records.pop(fix_id, None)
+def _all_targets() -> set[str]:
+    return {t for fix in _fixes() for t in fix.targets}
 
 
-def _forget_stale(module: ModuleType) -> None:
-    """Drop what no longer describes the live module, so the next check sees the code as it is now.
+def _up_to_date(module: ModuleType, skipped: frozenset[str]) -> bool:
+    """Whether the last apply() still describes ``module``: nothing of ours gone, no target changed by someone
+    else, and no fix found broken and skipped then that is no longer skipped."""
+    if _state.module is not module or not _state.seen:
+        return False
+    if any(raw_get(module, t) is not obj for t, obj in _state.seen.items()):
+        logger.info("%s: changed since it was checked (reloaded or re-patched); re-checking", MODULE_NAME)
+        return False
+    return not any(r.skipped and r.finding.state == "broken" and i not in skipped for i, r in _state.records.items())
 
-    Another module object (``sys.modules`` entry replaced): start over. The same object with one of our
-    objects gone (``importlib.reload``, another patcher): take the fixes on that target out, so they are
-    re-checked whole.
-    """
-    if _state.module is not module:
-        _state.module = module
-        _state.originals.clear()
-        _state.installed.clear()
-        _state.owners.clear()
-        _state.records.clear()
-        _state.rebound.clear()
-        _state.stale.clear()
-        return
-    gone = {fix_id for t, owners in _state.owners.items() if not _ours(module, t) for fix_id in owners}
-    if gone:
-        logger.info("%s: %s no longer in place (reloaded or re-patched); re-checking", MODULE_NAME, sorted(gone))
-        _take_out(module, gone)
+
+def _reset(module: ModuleType) -> None:
+    """Put back what we installed (where it is still ours) and forget every check: the next apply starts over."""
+    if _state.module is module:
+        for target, original in _state.originals.items():
+            if _ours(module, target):
+                _raw_set(module, target, original)
+    _state.module = module
+    for kept in (_state.originals, _state.installed, _state.policies, _state.records, _state.seen):
+        kept.clear()
+    _state.rebound.clear()
+    _state.stale.clear()
 
 
 def apply_to(module: ModuleType, *, scan_references: bool = True) -> None:
@@ -173,77 +191,103 @@ def apply_to(module: ModuleType, *, scan_references: bool = True) -> None:
     with _state.lock:
         if not _switches.enabled():
             return
-        _forget_stale(module)
         skipped = _switches.skipped_fixes(_skip_spellings())
-        newly: list[str] = []
+        if _up_to_date(module, skipped):
+            return
+        _reset(module)
         try:
-            for fix in _fixes():
-                if _applied(module, fix) or _checked_unchanged(module, fix):
-                    continue  # an earlier apply() installed it, or checked these very objects
-                if _apply_one(module, fix, skip=fix.id in skipped):
-                    newly.append(fix.id)
+            newly = _check_and_install(module, skipped)
         except BaseException:
-            _take_out(module, set(newly))  # nothing half-applied: take out what this call put in
+            _reset(module)  # nothing half-applied
             raise
         if newly and scan_references:
             _rebind_references(module)
         _announce(newly)
 
 
-def _checked_unchanged(module: ModuleType, fix: Fix) -> bool:
-    record = _state.records.get(fix.id)
-    if record is None or record.installed or record.skipped or not record.seen:
-        return False
-    return all(raw_get(module, t) is obj for t, obj in zip(fix.targets, record.seen, strict=True))
-
-
-def _apply_one(module: ModuleType, fix: Fix, *, skip: bool) -> bool:
-    def lookup(name: str) -> Any:
-        return callable_of(raw_get(module, name))
-
-    finding = fix.check(lookup)
-    if skip:
-        # Checked all the same, so that the report says whether skipping leaves a bug in place.
-        _state.records[fix.id] = _Record(finding, f"skipped by {_switches.SKIP_VAR}", skipped=True)
-        if finding.state == "broken":
-            report(
-                f"diffusers_cudnn_fix: '{fix.id}' ({fix.title}) is broken in the installed diffusers and "
-                f"left unfixed because {_switches.SKIP_VAR} names it.",
-                FixNotAppliedWarning,
-            )
-        return False
-    if finding.state != "broken":
-        reason = {
-            "ok": f"not needed: {finding.detail}",
-            "absent": f"not applicable: {finding.detail}",
-            "unknown": f"left alone, behaviour unknown: {finding.detail}",
-        }[finding.state]
-        _state.records[fix.id] = _Record(finding, reason, seen=tuple(raw_get(module, t) for t in fix.targets))
-        if finding.state == "unknown":
-            report(
-                f"diffusers_cudnn_fix: '{fix.id}' ({fix.title}) {reason}. Training with this backend under "
-                "context parallelism may give wrong gradients; please report your diffusers version.",
-                FixNotAppliedWarning,
-            )
-        return False
-    try:
-        replacements = dict(fix.build(lookup))
-        verified = fix.check(lambda name: callable_of(replacements[name]) if name in replacements else lookup(name))
-    except Exception as exc:  # noqa: BLE001 - a failing build leaves diffusers as shipped
-        verified = Finding("unknown", f"building the replacement failed: {type(exc).__name__}: {exc}")
-    if verified.state != "ok":
-        reason = f"found broken, but the replacement did not pass the same check ({verified.detail})"
-        _state.records[fix.id] = _Record(finding, reason)
-        report(f"diffusers_cudnn_fix: '{fix.id}' NOT applied: {reason}.", FixNotAppliedWarning)
-        return False
-    for target, new in replacements.items():
-        _state.originals.setdefault(target, raw_get(module, target))
+def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> list[str]:
+    """Check every fix on the shipped code, build and verify the replacements, install them; the fixes applied."""
+    fixes = _fixes()
+    shipped = Objects(module)
+    findings = {fix.id: check_of(fix)(shipped) for fix in fixes if not fix.checked_after}
+    wanted = {i for i, f in findings.items() if f.state == "broken" and i not in skipped}
+    later = [fix for fix in fixes if fix.checked_after]  # checks that must see other fixes' replacements
+    built: dict[str, Any] = {}
+    if any(wanted.intersection(fix.checked_after) for fix in later):
+        built, failed = _build(module, wanted)
+    for fix in later:
+        findings[fix.id] = check_of(fix)(Objects(module, built))
+    more = {f.id for f in later if findings[f.id].state == "broken" and f.id not in skipped}
+    if more or not built:
+        built, failed = _build(module, wanted | more)
+    policies = {t: frozenset(f.id for f in fixes if t in f.targets and f.id in wanted | more) for t in built}
+    for target, new in built.items():
+        _state.originals[target] = raw_get(module, target)
         _raw_set(module, target, new)
         _state.installed[target] = new
-        _state.owners.setdefault(target, []).append(fix.id)
-    verb = "fixed" if fix.kind == "correction" else "guarded"
-    _state.records[fix.id] = _Record(finding, f"{verb}: {finding.detail}", installed=True)
-    return True
+        _state.policies[target] = policies[target] - set(failed)
+    newly = []
+    for fix in fixes:
+        finding = findings[fix.id]
+        if fix.id in skipped:
+            # Checked all the same, so that the report says whether skipping leaves a bug in place.
+            _state.records[fix.id] = _Record(finding, f"skipped by {_switches.SKIP_VAR}", skipped=True)
+            if finding.state == "broken":
+                report(
+                    f"diffusers_cudnn_fix: '{fix.id}' ({fix.title}) is broken in the installed diffusers and "
+                    f"left unfixed because {_switches.SKIP_VAR} names it.",
+                    FixNotAppliedWarning,
+                )
+        elif fix.id in failed:
+            _state.records[fix.id] = _Record(finding, failed[fix.id])
+            report(f"diffusers_cudnn_fix: '{fix.id}' NOT applied: {failed[fix.id]}.", FixNotAppliedWarning)
+        elif finding.state == "broken":
+            verb = "fixed" if fix.kind == "correction" else "guarded"
+            _state.records[fix.id] = _Record(finding, f"{verb}: {finding.detail}", installed=True)
+            newly.append(fix.id)
+        else:
+            reason = {
+                "ok": f"not needed: {finding.detail}",
+                "absent": f"not applicable: {finding.detail}",
+                "unknown": f"left alone, behaviour unknown: {finding.detail}",
+            }[finding.state]
+            _state.records[fix.id] = _Record(finding, reason)
+            if finding.state == "unknown":
+                report(
+                    f"diffusers_cudnn_fix: '{fix.id}' ({fix.title}) {reason}. Training with this backend under "
+                    "context parallelism may give wrong gradients; please report your diffusers version.",
+                    FixNotAppliedWarning,
+                )
+    _state.seen = {t: raw_get(module, t) for t in _all_targets()}
+    return newly
+
+
+def _build(module: ModuleType, wanted: set[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Each group's replacements for the ``wanted`` fixes, every one of which passes its own check on them; the
+    fixes left out, with why."""
+    from .targets import GROUPS
+
+    wanted, failed = set(wanted), {}
+    while True:
+        built: dict[str, Any] = {}
+        for group in GROUPS:
+            ids = frozenset(wanted & group.POLICIES)
+            try:
+                built.update(group.build(Objects(module), ids) if ids else {})
+            except Exception as exc:  # noqa: BLE001 - a failing build leaves diffusers as shipped
+                detail = f"building the replacement failed: {type(exc).__name__}: {exc}"
+                failed.update(dict.fromkeys(ids, detail))
+        candidates = Objects(module, built)
+        for fix_id in wanted - set(failed):
+            verified = check_of(next(f for f in _fixes() if f.id == fix_id))(candidates)
+            if verified.state != "ok":
+                failed[fix_id] = verified.detail
+        if not wanted & set(failed):
+            reasons = {
+                i: f"found broken, but the replacement did not pass the same check ({d})" for i, d in failed.items()
+            }
+            return built, reasons
+        wanted -= set(failed)
 
 
 def _module_namespaces(skip: ModuleType) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -351,9 +395,8 @@ def revert() -> Report:
                 namespace = getattr(sys.modules.get(mod_name), "__dict__", None)
                 if isinstance(namespace, dict) and namespace.get(global_name) is ours:
                     namespace[global_name] = original
-            _state.originals.clear()
-            _state.installed.clear()
-            _state.owners.clear()
+            for kept in (_state.originals, _state.installed, _state.policies, _state.seen):
+                kept.clear()
             _state.rebound.clear()
             _state.stale.clear()
             for fix_id, record in list(_state.records.items()):

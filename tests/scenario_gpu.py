@@ -192,7 +192,15 @@ def one_key_masked_rows() -> dict[str, Any]:
     the installed op pair, and through the backward the masked-row guard wraps (the control). Errors are
     relative to the fp32 math SDPA reference's largest value over out, dq, dk and dv."""
     backward = module._cudnn_attention_backward_op
-    unguarded = getattr(backward, "__wrapped__", None)
+    # The control: the backward the package builds without the masked-row policy (with the K/V correction where
+    # the installed one has it); None where no backward of the package's is installed.
+    from diffusers_cudnn_fix.targets import cudnn as cudnn_target
+
+    unguarded = None
+    if diffusers_cudnn_fix.is_patched(cudnn_target.BACKWARD):
+        corrected = getattr(backward, "ring_steps", ("", ""))[1] == "saved"
+        policies = frozenset({"cudnn_backward_kv"} if corrected else ())
+        unguarded = cudnn_target.backward_op(diffusers_cudnn_fix.get_original(cudnn_target.BACKWARD), policies)
     gen = torch.Generator(device=DEVICE).manual_seed(11)
     q, grad = (torch.randn(2, 7, 3, 32, generator=gen, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(2, 1, 3, 32, generator=gen, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))

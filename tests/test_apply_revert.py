@@ -7,6 +7,7 @@ import threading
 import types
 
 import pytest
+from expected_fixes import CORRECTIONS, GUARDS, not_on
 
 import diffusers_cudnn_fix
 from diffusers_cudnn_fix import _registry
@@ -17,25 +18,6 @@ TARGETS = (
     "_cudnn_attention_backward_op",
     "_native_flash_attention_backward_op",
     "TemplatedRingAttention.backward",
-)
-
-
-# docs/behaviour.md, "Fix ids": the gradient corrections, then the guards.
-CORRECTIONS = (
-    "cudnn_forward_lse",
-    "cudnn_backward_kv",
-    "flash_backward_kv",
-    "ulysses_grad_count",
-    "ring_backward",
-    "ring_grad_route",
-    "qwen_joint_mask_order",
-)
-GUARDS = (
-    "cudnn_bool_mask",
-    "cudnn_input_dtypes",
-    "cudnn_masked_row_grads",
-    "flash_input_alignment",
-    "ulysses_mask_grad",
 )
 
 
@@ -88,7 +70,7 @@ def test_status_reports_each_fix(patched: types.ModuleType) -> None:
     for fix_id, fix in by_id.items():
         # A 0.36.0-only bug; a 0.36-0.38 one (0.39's Ulysses gathers the mask); a 0.40+ one, which the
         # package's own corrected ring does not have.
-        if fix_id in ("ulysses_grad_count", "qwen_joint_mask_order", "ring_grad_route"):
+        if fix_id in not_on("0.39.0"):
             assert fix.expected is False and fix.detected == "ok" and not fix.applied, fix
             continue
         assert fix.expected is True and fix.detected == "broken" and fix.applied, fix
@@ -194,12 +176,12 @@ def test_a_replaced_module_object_is_rechecked(dispatch_module: types.ModuleType
 def test_second_apply_rechecks_nothing(patched: types.ModuleType) -> None:
     """A second apply() finds everything installed and re-runs no check (the registry keeps its records)."""
     calls = []
-    original = _registry._apply_one
-    _registry._apply_one = lambda *a, **k: calls.append(a) or original(*a, **k)  # type: ignore[assignment]
+    original = _registry.check_of
+    _registry.check_of = lambda fix: calls.append(fix.id) or original(fix)  # type: ignore[assignment]
     try:
         diffusers_cudnn_fix.apply()
     finally:
-        _registry._apply_one = original  # type: ignore[assignment]
+        _registry.check_of = original  # type: ignore[assignment]
     assert calls == []
 
 

@@ -246,12 +246,12 @@ def test_internal_error_in_the_hook_warns_and_leaves_diffusers_as_shipped() -> N
         script(
             """
             import diffusers_cudnn_fix._registry as registry
-            real = registry._apply_one
-            def half_then_fail(module, fix, **kw):
-                if fix.id == "cudnn_backward_kv":
+            real = registry._raw_set
+            def half_then_fail(module, target, value):  # fails once the forward's replacement is in
+                if target == "_cudnn_attention_backward_op" and registry._state.installed:
                     raise RuntimeError("boom")
-                return real(module, fix, **kw)
-            registry._apply_one = half_then_fail
+                return real(module, target, value)
+            registry._raw_set = half_then_fail
             import diffusers_cudnn_fix
             import diffusers.models.attention_dispatch as m
             names = ["_cudnn_attention_forward_op", "_cudnn_attention_backward_op",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+from expected_fixes import applied
 from releases import release_dir, run
 
 pytestmark = pytest.mark.slow
@@ -110,28 +111,7 @@ PATCHED_TARGETS = {
     "0.42.1": {FWD, BWD},
     "0.35.2": set(),  # the ops do not exist
 }
-APPLIED = {
-    "0.39.0": [
-        "cudnn_backward_kv",
-        "cudnn_bool_mask",
-        "cudnn_forward_lse",
-        "cudnn_input_dtypes",
-        "cudnn_masked_row_grads",
-        "flash_backward_kv",
-        "flash_input_alignment",
-        "ring_backward",
-        "ulysses_mask_grad",
-    ],
-    "0.42.1": [
-        "cudnn_bool_mask",
-        "cudnn_input_dtypes",
-        "cudnn_masked_row_grads",
-        "flash_input_alignment",
-        "ring_grad_route",
-        "ulysses_mask_grad",
-    ],
-    "0.35.2": [],
-}
+APPLIED = {version: applied(version) for version in PATCHED_TARGETS}
 
 # Expected states: "before" (diffusers' module not imported yet), "patched", "reverted".
 BEFORE, PATCHED, REVERTED = "before", "patched", "reverted"

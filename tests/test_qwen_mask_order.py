@@ -103,7 +103,8 @@ import json, types, torch, diffusers_cudnn_fix
 import diffusers.models.attention_dispatch as module
 import diffusers.models.transformers.transformer_qwenimage  # loaded, as in a QwenImage run (its plan is read)
 from diffusers_cudnn_fix import UnsafeAttentionError
-from diffusers_cudnn_fix.fixes import qwen_joint_mask_order as fix
+from diffusers_cudnn_fix.fixes import ALL_FIXES, qwen_joint_mask_order as fix
+FIX_ID = "qwen_joint_mask_order"
 
 installed = module.TemplatedUlyssesAttention.forward
 shipped = diffusers_cudnn_fix.get_original(fix.TARGET).__func__
@@ -181,8 +182,8 @@ out = {
 # The same mask object twice: the reorder is kept (one object for every layer, which the conversion caches).
 import diffusers_cudnn_fix.fixes.qwen_joint_mask_order as again
 out["reused"] = again._reordered(padded, 4, 4, 2) is again._reordered(padded, 4, 4, 2)
-out["status"] = {f.id: [f.detected, f.applied, f.reason] for f in diffusers_cudnn_fix.status().fixes}[fix.FIX.id]
-out["kind"] = fix.FIX.kind
+out["status"] = {f.id: [f.detected, f.applied, f.reason] for f in diffusers_cudnn_fix.status().fixes}[FIX_ID]
+out["kind"] = {f.id: f.kind for f in ALL_FIXES}[FIX_ID]
 print(json.dumps(out))
 """
 

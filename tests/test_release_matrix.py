@@ -14,6 +14,7 @@ imported yet) before it imports the package. Both also run the cases through Tem
 
 from __future__ import annotations
 
+import expected_fixes
 import pytest
 from releases import BROKEN_CUDNN, BROKEN_FLASH, RELEASES, release_dir, run
 
@@ -70,21 +71,7 @@ def test_gradients_match_reference_with_the_package(version: str, order: str) ->
     status = result["status"]
     assert status["ok"], status
     applied = {f["id"] for f in status["fixes"] if f["applied"]}
-    expected = set()
-    if version != "0.35.2":  # every release with the cuDNN CP op misreads masks and fp32 inputs
-        expected |= {"cudnn_bool_mask", "cudnn_input_dtypes", "cudnn_masked_row_grads", "ulysses_mask_grad"}
-    if version in BROKEN_CUDNN:
-        expected |= {"cudnn_forward_lse", "cudnn_backward_kv", "ring_backward"}
-    if version in BROKEN_FLASH:
-        expected |= {"flash_backward_kv"}
-    if version not in ("0.35.2", "0.36.0"):  # every release with the native-flash op
-        expected |= {"flash_input_alignment"}
-    if version == "0.36.0":
-        expected |= {"ulysses_grad_count"}
-    if version in ("0.36.0", "0.37.0", "0.37.1", "0.38.0"):  # Ulysses hands the op a mask as it came
-        expected |= {"qwen_joint_mask_order"}
-    if version in ("0.40.0", "0.41.0", "0.42.0", "0.42.1"):  # diffusers' own ring backward, routed wrong
-        expected |= {"ring_grad_route"}
+    expected = set(expected_fixes.applied(version))  # the one test-side table of fix ids
     assert applied == expected
 
 

@@ -3,26 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from expected_fixes import CARRIES
 from releases import RELEASES
 
 from diffusers_cudnn_fix._fix import release_table_lists as lists
 from diffusers_cudnn_fix.fixes import ALL_FIXES
-
-# What docs/kernel-facts.md (and upstream's release notes) say each release carries, written out by hand.
-CARRIES = {
-    "cudnn_forward_lse": {"0.36.0", "0.37.0", "0.37.1", "0.38.0", "0.39.0"},
-    "cudnn_backward_kv": {"0.36.0", "0.37.0", "0.37.1", "0.38.0", "0.39.0"},
-    "flash_backward_kv": {"0.37.0", "0.37.1", "0.38.0", "0.39.0"},
-    "ulysses_grad_count": {"0.36.0"},
-    "ring_backward": {"0.36.0", "0.37.0", "0.37.1", "0.38.0", "0.39.0"},
-    "cudnn_bool_mask": set(RELEASES) - {"0.35.2"},
-    "cudnn_input_dtypes": set(RELEASES) - {"0.35.2"},
-    "cudnn_masked_row_grads": set(RELEASES) - {"0.35.2"},
-    "ulysses_mask_grad": set(RELEASES) - {"0.35.2"},
-    "flash_input_alignment": set(RELEASES) - {"0.35.2", "0.36.0"},
-    "ring_grad_route": {"0.40.0", "0.41.0", "0.42.0", "0.42.1"},
-    "qwen_joint_mask_order": {"0.36.0", "0.37.0", "0.37.1", "0.38.0"},
-}
 
 
 @pytest.mark.parametrize("fix", ALL_FIXES, ids=lambda f: f.id)

@@ -22,37 +22,44 @@ LAYERS = {
     "_switches": 1,
     "_devices": 1,
     "_fix": 1,
+    "fixes": 2,  # the fix table: plain data, no torch
     "_layout": 2,
     "_key_padding": 2,
-    "_detect": 2,
-    "fixes._forward_guard": 3,
-    "fixes.cudnn_forward_lse": 3,
-    "fixes.cudnn_backward_kv": 3,
-    "fixes.flash_backward_kv": 3,
-    "fixes.ulysses_grad_count": 3,
+    "_detect": 3,
+    # One module per bug: its check and its policy. A fix module imports no other fix module.
+    "fixes.cudnn_forward_lse": 4,
+    "fixes.cudnn_backward_kv": 4,
+    "fixes.flash_backward_kv": 4,
+    "fixes.ulysses_grad_count": 4,
     "fixes.ring_backward": 4,
-    "fixes.ring_grad_route": 5,
+    "fixes.ring_grad_route": 4,
     "fixes.cudnn_bool_mask": 4,
     "fixes.cudnn_input_dtypes": 4,
-    "fixes.cudnn_masked_row_grads": 3,
+    "fixes.cudnn_masked_row_grads": 4,
     "fixes.ulysses_mask_grad": 4,
-    "fixes.qwen_joint_mask_order": 3,
-    "fixes.flash_input_alignment": 3,
-    "fixes": 5,
+    "fixes.qwen_joint_mask_order": 4,
+    "fixes.flash_input_alignment": 4,
+    # One replacement per target, built from the policies of the fixes found broken.
+    "targets.ring": 5,
+    "targets.cudnn": 6,
+    "targets.flash": 6,
+    "targets.ulysses": 6,
+    "targets": 7,
     "_report": 5,
-    "_registry": 6,
-    "_probe": 7,
-    "_hook": 8,
-    "__init__": 9,
-    "_launcher": 9,  # imports nothing of the package: the CLI's launcher (``run -- COMMAND``)
-    "__main__": 10,
+    "_registry": 8,
+    "_probe": 9,
+    "_hook": 10,
+    "__init__": 11,
+    "_launcher": 11,  # imports nothing of the package: the CLI's launcher (``run -- COMMAND``)
+    "__main__": 12,
     # The launcher's start-up hook, run in the command's processes: it imports the package from outside.
-    "site-bootstrap.sitecustomize": 11,
+    "site-bootstrap.sitecustomize": 13,
 }
 
 # Code in these runs inside the corrected ops or the probe's trigger.
-HOT_PATH = ["_warnings", "_switches", "_devices", "_layout", "_key_padding", "_probe"]
-HOT_PATH += [m for m in LAYERS if m.startswith("fixes.")]
+HOT_PATH = ["_warnings", "_switches", "_devices", "_layout", "_key_padding", "_probe"] + [
+    m for m in LAYERS if m.startswith(("fixes.", "targets."))
+]
 
 
 def _module_name(path: Path) -> str:
@@ -105,7 +112,7 @@ def test_imports_go_down_the_layers(module: str) -> None:
     for target, _ in _imports(MODULES[module]):
         if target == module:
             continue
-        assert LAYERS[target] < LAYERS[module] or (module == "fixes" and target.startswith("fixes.")), (
+        assert LAYERS[target] < LAYERS[module] or (module == "targets" and target.startswith("targets.")), (
             f"{module} (layer {LAYERS[module]}) imports {target} (layer {LAYERS[target]})"
         )
 

@@ -17,24 +17,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from expected_fixes import FIX_IDS, not_on
 from releases import ROOT, TESTS, release_dir, run
 
 pytestmark = pytest.mark.slow
-
-FIX_IDS = (
-    "cudnn_forward_lse",
-    "cudnn_backward_kv",
-    "flash_backward_kv",
-    "ulysses_grad_count",
-    "cudnn_bool_mask",
-    "cudnn_input_dtypes",
-    "cudnn_masked_row_grads",
-    "flash_input_alignment",
-    "ulysses_mask_grad",
-    "qwen_joint_mask_order",
-    "ring_backward",
-    "ring_grad_route",
-)
 
 PREAMBLE = """
 import contextlib, io, json, runpy, sys, warnings
@@ -183,8 +169,7 @@ def test_a_bad_environment_value_warns_once_and_says_what_is_used(variable: str)
     assert result["patched"] is True
     assert status["ok"] is True  # nothing was skipped: unknown ids are ignored
     # Not on this release: a 0.36.0-only bug, a 0.36-0.38 one, and a 0.40+ one.
-    elsewhere = ("ulysses_grad_count", "qwen_joint_mask_order", "ring_grad_route")
-    assert all(fixes(result)[i]["applied"] for i in FIX_IDS if i not in elsewhere)
+    assert all(fixes(result)[i]["applied"] for i in FIX_IDS if i not in not_on("0.39.0"))
     if variable == "DIFFUSERS_CUDNN_FIX_MASK":
         # A bad mask mode means convert: the bool mask is converted, and the gradients are right.
         assert result["mask"]["status"] == "pass", result["mask"]
@@ -203,10 +188,9 @@ def test_values_are_case_insensitive_and_stripped_in_the_environment() -> None:
             mask = bool_mask_case()
             doc = doctor("--no-gpu")
             import diffusers_cudnn_fix
-            import inspect, diffusers.models.attention_dispatch as module
-            # The backward op as installed, wrappers unwrapped (the masked-row guard wraps whatever is there).
-            innermost = inspect.unwrap(module._cudnn_attention_backward_op)
-            kv_corrected = innermost.__module__.startswith("diffusers_cudnn_fix")
+            from diffusers_cudnn_fix import _registry
+            # The policies the installed backward op was built with (the masked-row guard's is there anyway).
+            kv_corrected = "cudnn_backward_kv" in _registry._state.policies.get("_cudnn_attention_backward_op", ())
             done(diffusers_cudnn_fix.status(), kv_corrected=kv_corrected, mask=mask, doctor=doc)
             """
         ),
@@ -325,13 +309,11 @@ def test_the_doctor_exits_1_when_switched_off_on_an_affected_release() -> None:
 
 
 def test_the_readme_and_help_list_every_spelling_the_switch_takes() -> None:
-    """Every spelling the master switch accepts is documented: the README's switch table, the doctor's help
-    and docs/behaviour.md."""
+    """Every spelling the master switch accepts is documented: in docs/behaviour.md's switch table (the one
+    place the switches are documented, which the README points to) and the doctor's help."""
     from diffusers_cudnn_fix import _switches
 
-    readme_row = next(
-        line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `DIFFUSERS_CUDNN_FIX` |")
-    )
+    assert "docs/behaviour.md#switches" in (ROOT / "README.md").read_text()
     behaviour_row = next(
         line
         for line in (ROOT / "docs" / "behaviour.md").read_text().splitlines()
@@ -341,7 +323,7 @@ def test_the_readme_and_help_list_every_spelling_the_switch_takes() -> None:
     # The help's entry for the switch: its line and the continuation lines under it.
     help_line = help_text[help_text.index("DIFFUSERS_CUDNN_FIX=") : help_text.index("DIFFUSERS_CUDNN_FIX_SKIP=")]
     for spelling in _switches._ON_OFF:
-        for where, text in (("README", readme_row), ("docs/behaviour.md", behaviour_row), ("--help", help_line)):
+        for where, text in (("docs/behaviour.md", behaviour_row), ("--help", help_line)):
             assert re.search(rf"(?<![\w-]){re.escape(spelling)}(?![\w-])", text), f"{spelling!r} not in {where}: {text}"
 
 
@@ -379,6 +361,14 @@ with warnings.catch_warnings(record=True) as seen:
             out[name] = {"ok": True, "value": value}
         except BaseException as exc:
             out[name] = {"ok": False, "value": f"{type(exc).__name__}: {exc}"}
+    from diffusers_cudnn_fix.fixes import ALL_FIXES  # the fix table: plain data
+    from diffusers_cudnn_fix.__main__ import main
+    out["table"] = {"ok": True, "value": [fix.id for fix in ALL_FIXES]}
+    import contextlib, io
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["--no-gpu"])
+    out["doctor"] = {"ok": code == 2, "value": printed.getvalue()}
     report = out["status"]["value"]
     if out["status"]["ok"]:
         out["status"]["value"] = {"dict": report.to_dict(), "text": str(report), "ok": report.ok}
@@ -417,6 +407,11 @@ def test_status_revert_and_queries_work_without_torch(tmp_path: Path) -> None:
     assert calls["get_original"]["value"] == "None"
     status = calls["status"]["value"]
     assert status["dict"]["fixes"] == []  # lists no fix
+    # The fix table and the doctor's release table need no torch.
+    assert sorted(calls["table"]["value"]) == sorted(FIX_IDS)
+    doctor = calls["doctor"]["value"]
+    assert "release table" in doctor and all(f"{i} " in doctor for i in FIX_IDS), doctor
+    assert ">=0.36.0,<0.40.0" in doctor, doctor
     missing = r"torch\W[^\n]*(missing|not installed|cannot be imported|not found|unavailable)"
     assert re.search(missing, status["text"], re.I), status["text"]
     assert result["torch_loaded"] is False

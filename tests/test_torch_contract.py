@@ -55,19 +55,19 @@ def _changed(name: str, arguments: str) -> object:
 )
 def test_a_changed_cudnn_forward_schema_is_unknown(dispatch_module, monkeypatch, arguments: str) -> None:
     monkeypatch.setattr(_detect, "aten_signature", _changed("_scaled_dot_product_cudnn_attention", arguments))
+    from diffusers_cudnn_fix._registry import callable_of, check_of, original
     from diffusers_cudnn_fix.fixes import ALL_FIXES
 
-    fixes = {fix.id: fix for fix in ALL_FIXES}
-    from diffusers_cudnn_fix._registry import callable_of, original
+    fixes = {fix.id: check_of(fix) for fix in ALL_FIXES}
 
     lookup = lambda name: callable_of(original(name))  # noqa: E731  (diffusers' code as shipped)
     for fix_id in ("cudnn_forward_lse", "cudnn_backward_kv"):
-        finding = fixes[fix_id].check(lookup)
+        finding = fixes[fix_id](lookup)
         assert finding.state == "unknown", (fix_id, finding)
         assert "aten::_scaled_dot_product_cudnn_attention " in finding.detail, finding.detail
         assert "softcap" in finding.detail or "attn_mask" in finding.detail, finding.detail
     # The flash pair does not call the changed op: its check runs as before (broken on 0.39.0, in process).
-    assert fixes["flash_backward_kv"].check(lookup).state == "broken"
+    assert fixes["flash_backward_kv"](lookup).state == "broken"
 
 
 def test_a_log_sum_exp_of_another_rank_is_unknown(dispatch_module, monkeypatch) -> None:

@@ -1,47 +1,73 @@
-"""One module per upstream bug. Order matters: a later fix's check sees the earlier fixes' replacements.
-
-Adding a fix: write a module with a ``FIX`` record (see ``diffusers_cudnn_fix._fix.Fix``) and list it here.
-"""
+"""The fix table: one record per upstream bug, plain data (no torch). Each record's check is ``check`` in
+``fixes/<id>.py``; its policy is a step of its targets' replacements (``targets/``). The order is the
+report's, nothing else. docs/adding-a-fix.md lists what a new fix needs."""
 
 from __future__ import annotations
 
-from .._fix import Fix
-from . import (
-    cudnn_backward_kv,
-    cudnn_bool_mask,
-    cudnn_forward_lse,
-    cudnn_input_dtypes,
-    cudnn_masked_row_grads,
-    flash_backward_kv,
-    flash_input_alignment,
-    qwen_joint_mask_order,
-    ring_backward,
-    ring_grad_route,
-    ulysses_grad_count,
-    ulysses_mask_grad,
-)
+from typing import Literal
 
+from .._fix import Fix
+from .._switches import mask_mode
+
+CUDNN_FORWARD = "_cudnn_attention_forward_op"
+CUDNN_BACKWARD = "_cudnn_attention_backward_op"
+FLASH_FORWARD = "_native_flash_attention_forward_op"
+FLASH_BACKWARD = "_native_flash_attention_backward_op"
+ULYSSES_FORWARD = "TemplatedUlyssesAttention.forward"
+ULYSSES_BACKWARD = "TemplatedUlyssesAttention.backward"
+RING_FORWARD = "TemplatedRingAttention.forward"
+RING_BACKWARD = "TemplatedRingAttention.backward"
+
+PR_14274 = "https://github.com/huggingface/diffusers/pull/14274"
+
+MODE_EFFECTS = {
+    "convert": "bool masks become additive masks in q's dtype, other float masks are cast to it; a mask that "
+    "only pads keys runs the kernel on the valid keys alone",
+    "warn": "bool and wrongly typed masks are passed through as diffusers does: the kernel misreads them "
+    "(a bool mask is read out of bounds)",
+    "error": "bool and wrongly typed masks raise UnsafeAttentionError",
+}
+
+
+def _mask_note() -> str:
+    mode = mask_mode()
+    return f"mask mode {mode}: {MODE_EFFECTS[mode]}"
+
+
+GUARD: Literal["guard"] = "guard"
+
+#: Fix(id, title, upstream, affected releases, targets, kind="correction", note, only_for, old_ids, checked_after)
 ALL_FIXES: tuple[Fix, ...] = (
-    # Gradient corrections (the package's reason to exist).
-    cudnn_forward_lse.FIX,
-    cudnn_backward_kv.FIX,
-    flash_backward_kv.FIX,
-    ulysses_grad_count.FIX,
-    # Guards: wrappers around the (corrected) forward (the input-dtype guard outermost), and refusals where
-    # no correction is offered. The Ulysses mask-grad refusal comes before the mask guard, which wraps the Ulysses
-    # forward too: its check runs diffusers' own forward with stand-in collectives, so it must be innermost.
-    ulysses_mask_grad.FIX,
-    cudnn_bool_mask.FIX,
-    cudnn_input_dtypes.FIX,
-    # Around the (corrected) cuDNN backward: no gradient for fully masked rows where S_kv is 1.
-    cudnn_masked_row_grads.FIX,
-    flash_input_alignment.FIX,
-    qwen_joint_mask_order.FIX,
-    # Ring attention's correction: drives the corrected cuDNN / flash backward ops one ring step at a time
-    # (refuses for any other backward op).
-    ring_backward.FIX,
-    # diffusers' ring backward from 0.40 on routes the K/V gradients wrong from ring degree 3: the same corrected
-    # ring, driving diffusers' own (fixed) ops (after ring_backward, whose corrected ring on 0.36-0.39 its check
-    # then sees and finds right).
-    ring_grad_route.FIX,
-)
+    Fix("cudnn_forward_lse", "cuDNN forward op computes no log-sum-exp on the context-parallel training path",
+        PR_14274, ">=0.36.0,<0.40.0", (CUDNN_FORWARD,)),
+    Fix("cudnn_backward_kv", "cuDNN backward op transposes the saved K/V a second time",
+        PR_14274, ">=0.36.0,<0.40.0", (CUDNN_BACKWARD,)),
+    Fix("flash_backward_kv", "native-flash backward op transposes the saved K/V a second time",
+        PR_14274, ">=0.37.0,<0.40.0", (FLASH_BACKWARD,)),
+    Fix("ulysses_grad_count", "Ulysses backward returns one gradient fewer than the forward has inputs",
+        PR_14274, ">=0.36.0,<0.37.0", (ULYSSES_BACKWARD,)),
+    Fix("ulysses_mask_grad", "Ulysses context parallelism gives a mask that requires grad no gradient, silently",
+        "not reported upstream as of diffusers 0.42.1", ">=0.36.0", (ULYSSES_FORWARD,), GUARD),
+    Fix("cudnn_bool_mask", "bool or wrongly typed attention masks are read as an additive bias by the cuDNN CP op",
+        "https://github.com/huggingface/diffusers/issues/14342", ">=0.36.0", (CUDNN_FORWARD, ULYSSES_FORWARD), GUARD,
+        note=_mask_note),
+    Fix("cudnn_input_dtypes", "fp32 or mixed-dtype q/k/v are accepted by the raw cuDNN op and give garbage",
+        "none filed yet: aten::_scaled_dot_product_cudnn_attention checks no dtype", ">=0.36.0", (CUDNN_FORWARD,),
+        GUARD, old_ids=("cudnn_fp32_inputs",)),
+    Fix("cudnn_masked_row_grads",
+        "cuDNN's backward gets fully masked query rows wrong when there is one key/value position",
+        "none known: a fault of aten::_scaled_dot_product_cudnn_attention_backward (cuDNN 9.19)", ">=0.36.0",
+        (CUDNN_BACKWARD,), GUARD),
+    Fix("flash_input_alignment",
+        "the native-flash CP forward hands the flash kernel q/k/v off 16 bytes (misaligned address on a GPU)",
+        "not reported upstream as of diffusers 0.42.1", ">=0.37.0", (FLASH_FORWARD,), GUARD),
+    Fix("qwen_joint_mask_order",
+        "QwenImage's joint mask meets Ulysses' K/V in another token order: padded prompts train wrong",
+        "fixed in diffusers 0.39.0 (the plan shards the mask; Ulysses all-gathers it)", ">=0.36.0,<0.39.0",
+        (ULYSSES_FORWARD,)),
+    Fix("ring_backward", "ring/unified context parallelism's backward reuses the first ring step's tensors",
+        PR_14274, ">=0.36.0,<0.40.0", (RING_FORWARD, RING_BACKWARD)),
+    Fix("ring_grad_route", "ring attention's backward routes the K/V gradients wrong from ring degree 3",
+        PR_14274, ">=0.40.0", (RING_FORWARD, RING_BACKWARD),
+        only_for="ring attention at ring_degree >= 3, or with a mask or dropout", checked_after=("ring_backward",)),
+)  # fmt: skip

@@ -1,66 +1,31 @@
 """A bool (or wrongly typed) attention mask is fed raw into cuDNN's additive-bias slot.
 
-Bug: the context-parallel cuDNN forward op passes ``attn_mask`` straight to
-``aten::_scaled_dot_product_cudnn_attention(attn_bias=...)``, which checks no dtype: the kernel reads the
-mask's memory as q's dtype. A bool mask is read as half as many 2-byte numbers as it has bytes, so the
-kernel reads past its end (out of bounds: wrong results, or an illegal memory access that ends the CUDA
-context); a float mask of another dtype (fp32 with bf16 q) is read as garbage; an integer 0/1 mask cast to a
-bias adds +0/+1 instead of masking (docs/kernel-facts.md). The backward gets the same bias.
-
-Releases: every release with the op, 0.36.0 up to at least 0.42.1 (upstream issue
-huggingface/diffusers#14342, open as of 0.42.1).
-
-Detection: run the installed forward (and backward) with a bool mask, an fp32 mask against bf16 q and an
-integer mask, and read the bias reaching the kernels. A release that converts masks itself needs nothing.
-
-Replacement: a thin wrapper around the installed forward op, and one around ``TemplatedUlyssesAttention.forward``
-that applies the same policy where the mask enters Ulysses attention, before diffusers all-gathers it (0.39+):
-under ``torch.compile`` inductor gathers a bool tensor into a wrongly typed buffer, so a bool mask must not
-reach the collectives (docs/kernel-facts.md). The Ulysses wrapper acts only when the forward op it is handed
-is the guarded cuDNN op (which carries the policy as ``mask_policy``; ``functools.wraps`` copies it onto
-the wrappers around it). What it does with each mask, by mode
-(``DIFFUSERS_CUDNN_FIX_MASK`` or ``diffusers_cudnn_fix.set_mask_mode()``), is in docs/behaviour.md: in short,
-``convert`` (default) turns a bool mask into an additive mask in q's dtype (``-inf`` where False, so a fully
-masked row gives 0) and casts other float masks, ``warn`` passes them through as upstream does, ``error``
-raises; integer masks and masks that require grad raise in every mode. In ``convert`` mode a mask that only pads
-keys hands the op the valid keys alone (``_key_padding``; the backward wrapper of ``cudnn_masked_row_grads``
-scatters the K/V gradients back).
-
-Revert: the object that was there before is put back (the registry keeps it).
+Bug: the kernel reads the mask's memory as q's dtype: a bool mask out of bounds, an fp32 mask against bf16 q
+as garbage, an integer 0/1 mask as +0/+1. Every release with the op, 0.36.0 up to at least 0.42.1 (#14342).
+Detection: bool, fp32 and integer masks: what bias reaches the kernels, and what mask enters Ulysses.
+The package: :func:`mask_policy` by mode (``DIFFUSERS_CUDNN_FIX_MASK``, docs/behaviour.md), in the cuDNN
+forward and where the mask enters Ulysses attention, before it is gathered (docs/fixes.md).
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import sys
 import threading
 import types
 import warnings
 import weakref
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from .. import _detect, _switches
-from .._fix import Finding, Fix, Lookup
+from .._fix import Finding, Lookup
 from .._warnings import MaskConvertedWarning, MaskMisreadWarning, UnsafeAttentionError, logger
-from ._forward_guard import compute_dtype, guard_forward
 
 TARGET = "_cudnn_attention_forward_op"
 ULYSSES = "TemplatedUlyssesAttention.forward"
-#: Position of ``forward_op`` among the Ulysses forward's arguments after the mask.
-_FORWARD_OP_AFTER_MASK = 5
 ISSUE = "huggingface/diffusers#14342"
 
-MODE_EFFECTS = {
-    "convert": "bool masks become additive masks in q's dtype, other float masks are cast to it; a mask that "
-    "only pads keys runs the kernel on the valid keys alone",
-    "warn": "bool and wrongly typed masks are passed through as diffusers does: the kernel misreads them "
-    "(a bool mask is read out of bounds)",
-    "error": "bool and wrongly typed masks raise UnsafeAttentionError",
-}
 
 _forced = threading.local()  # .mode: set by the check on its own thread only
 _warned: set[type[Warning]] = set()
@@ -97,8 +62,9 @@ _NOT_CALLERS = frozenset({"diffusers", "torch", "diffusers_cudnn_fix", "importli
 
 
 def _warn_once(category: type[Warning], message: str) -> None:
-    """Warn once per process, filed under the first frame outside diffusers, torch and this package."""
-    if category in _warned or torch.compiler.is_compiling():
+    """Warn once per process (the caller asks only while ``category`` is not in ``_warned``), filed under the
+    first frame outside diffusers, torch and this package."""
+    if torch.compiler.is_compiling():
         return
     _warned.add(category)
     frame = sys._getframe(1)
@@ -126,7 +92,10 @@ def mask_policy(
             "path gives the mask no gradient (it would silently stay None). Detach the mask, or train the "
             "bias with another attention backend."
         )
-    dtype = compute_dtype(query)
+    # The dtype the op computes in: autocast's where it is on for q's device, else q's own.
+    dtype = query.dtype
+    if torch.is_autocast_enabled(query.device.type) and query.is_floating_point():
+        dtype = torch.get_autocast_dtype(query.device.type)
     if attn_mask.dtype == dtype:
         return attn_mask
     if not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
@@ -138,7 +107,7 @@ def mask_policy(
     forced = getattr(_forced, "mode", None)  # the check's own runs: no notice for the user
     mode = forced or _switches.mask_mode()
     if mode == "convert":
-        if forced is None:
+        if forced is None and MaskConvertedWarning not in _warned:
             _warn_once(
                 MaskConvertedWarning,
                 f"diffusers_cudnn_fix: a {attn_mask.dtype} attention mask reached diffusers' context-parallel "
@@ -153,13 +122,14 @@ def mask_policy(
             f"cuDNN op, which would misread it as a {dtype} additive bias ({ISSUE}). "
             f"Set {_switches.MASK_VAR}=convert to convert it, or pass an additive mask of q's dtype."
         )
-    _warn_once(
-        MaskMisreadWarning,
-        f"diffusers_cudnn_fix: a {attn_mask.dtype} attention mask reached diffusers' context-parallel cuDNN op "
-        f"and was passed through ({_switches.MASK_VAR}=warn): the kernel reads it as a {dtype} bias "
-        f"({ISSUE}), a bool mask out of bounds, so outputs and gradients are wrong. "
-        f"Unset {_switches.MASK_VAR} (or set it to convert) to convert masks.",
-    )
+    if MaskMisreadWarning not in _warned:
+        _warn_once(
+            MaskMisreadWarning,
+            f"diffusers_cudnn_fix: a {attn_mask.dtype} attention mask reached diffusers' context-parallel cuDNN op "
+            f"and was passed through ({_switches.MASK_VAR}=warn): the kernel reads it as a {dtype} bias "
+            f"({ISSUE}), a bool mask out of bounds, so outputs and gradients are wrong. "
+            f"Unset {_switches.MASK_VAR} (or set it to convert) to convert masks.",
+        )
     return attn_mask
 
 
@@ -226,8 +196,7 @@ def _stop_at_collectives() -> None:
 
 def _mask_entering_ulysses(ulysses: Any, forward_op: Any) -> torch.Tensor | str:
     """The mask diffusers' own Ulysses forward receives when the installed one is called with a bool mask and
-    ``forward_op`` (read off diffusers' frame where it asks for its process group); a text if not reached."""
-    shipped = inspect.unwrap(ulysses)
+    ``forward_op`` (read off the frame that asks for the process group, diffusers' own); a text if not reached."""
     mesh = types.SimpleNamespace(get_group=_stop_at_collectives)
     config = types.SimpleNamespace(
         context_parallel_config=types.SimpleNamespace(
@@ -241,60 +210,15 @@ def _mask_entering_ulysses(ulysses: Any, forward_op: Any) -> torch.Tensor | str:
         with torch.no_grad():  # as inside autograd.Function.forward
             ulysses(_detect.ProbeCtx(), q, k, v, mask, 0.0, False, None, False, False, forward_op, None, config)
     except _StopAtCollectives as stop:
+        frames = []
         tb = stop.__traceback__
         while tb is not None:
-            if tb.tb_frame.f_code is getattr(shipped, "__code__", None):
-                entering = tb.tb_frame.f_locals.get("attn_mask")
-                return entering if isinstance(entering, torch.Tensor) else f"it received {entering!r}"
+            frames.append(tb.tb_frame)
             tb = tb.tb_next
-        return "diffusers' own forward was not reached"
+        if len(frames) < 2 or frames[-2].f_globals.get("__name__") != _switches.MODULE_NAME:
+            return "diffusers' own forward was not reached"
+        entering = frames[-2].f_locals.get("attn_mask")
+        return entering if isinstance(entering, torch.Tensor) else f"it received {entering!r}"
     except Exception as exc:  # noqa: BLE001 - an unknown build: say so
         return f"{type(exc).__name__}: {exc}"
     return "the forward returned without asking for its process group"
-
-
-def converting_ulysses_masks(shipped: Any) -> Any:
-    """``shipped`` (``TemplatedUlyssesAttention.forward``) applying the cuDNN op's mask policy to the mask first."""
-
-    @functools.wraps(shipped)  # keeps the signature, which the other Ulysses fixes read
-    def forward(
-        ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, *args: Any, **kwargs: Any
-    ) -> Any:
-        # A mask that requires grad goes on as it came: the Ulysses mask-grad guard's to refuse, with its message.
-        if isinstance(attn_mask, torch.Tensor) and not attn_mask.requires_grad:
-            op = args[_FORWARD_OP_AFTER_MASK] if len(args) > _FORWARD_OP_AFTER_MASK else kwargs.get("forward_op")
-            policy = getattr(op, "mask_policy", None)
-            if policy is not None:
-                attn_mask = policy(query, key, value, attn_mask)
-        return shipped(ctx, query, key, value, attn_mask, *args, **kwargs)
-
-    forward.__doc__ = "diffusers' Ulysses forward, with the cuDNN op's mask policy applied before the mask is gathered."
-    return forward
-
-
-def build(lookup: Lookup) -> Mapping[str, Any]:
-    guarded = guard_forward(lookup(TARGET), mask_policy, key_padding=True)
-    guarded.mask_policy = mask_policy  # type: ignore[attr-defined]  # read by the Ulysses wrapper
-    replacements: dict[str, Any] = {TARGET: guarded}
-    ulysses = lookup(ULYSSES)
-    if ulysses is not None:
-        replacements[ULYSSES] = staticmethod(converting_ulysses_masks(ulysses))
-    return replacements
-
-
-def note() -> str:
-    mode = _switches.mask_mode()
-    return f"mask mode {mode}: {MODE_EFFECTS[mode]}"
-
-
-FIX = Fix(
-    id="cudnn_bool_mask",
-    title="bool or wrongly typed attention masks are read as an additive bias by the cuDNN CP op",
-    upstream="https://github.com/huggingface/diffusers/issues/14342",
-    affected=">=0.36.0",
-    targets=(TARGET, ULYSSES),
-    check=check,
-    build=build,
-    kind="guard",
-    note=note,
-)

@@ -1,34 +1,19 @@
 """q/k/v of an unsupported dtype, or of different dtypes, reach the raw cuDNN attention op and give garbage.
 
-Bug: cuDNN SDPA supports float16 and bfloat16 only, with q, k and v of one dtype. ``F.scaled_dot_product_attention``
-checks that before picking cuDNN, but diffusers' context-parallel path calls
-``aten::_scaled_dot_product_cudnn_attention`` directly, which checks neither: fp32 inputs, or q in bf16 with
-k/v in fp16, come back as garbage without an error (docs/kernel-facts.md). diffusers' own dtype constraint for
-the backend runs only with ``DIFFUSERS_ATTN_CHECKS`` set.
-
-Releases: every release with the op, 0.36.0 up to at least 0.42.1.
-
-Detection: run the installed forward with fp32 q/k/v, and with bf16 q and fp16 k/v, and see whether they
-reach the kernel.
-
-Replacement: a thin wrapper around the installed forward op that raises :class:`UnsafeAttentionError`
-naming the three dtypes and the way out. Under ``torch.autocast`` the wrapper first casts q/k/v to the autocast
-dtype, as ``F.scaled_dot_product_attention``'s autocast rule does (the raw op has none).
-
-Revert: the object that was there before is put back (the registry keeps it).
+Bug: cuDNN SDPA takes fp16/bf16 q, k, v of one dtype; diffusers' CP path calls the raw ATen op, which checks
+neither (F.sdpa does). Releases: every release with the op, 0.36.0 up to at least 0.42.1.
+Detection: fp32 q/k/v, and bf16 q with fp16 k/v: do they reach the kernel?
+The package: :func:`refuse_unsupported_dtypes` raises :class:`UnsafeAttentionError`; under autocast the
+cuDNN forward first casts q/k/v as F.sdpa does (docs/fixes.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 
 from .. import _detect
-from .._fix import Finding, Fix, Lookup
+from .._fix import Finding, Lookup
 from .._warnings import UnsafeAttentionError
-from ._forward_guard import guard_forward
 
 TARGET = "_cudnn_attention_forward_op"
 _SUPPORTED = (torch.float16, torch.bfloat16)
@@ -64,20 +49,3 @@ def check(lookup: Lookup) -> Finding:
         if trace.error is None:
             return Finding("unknown", f"with {label} the forward neither reached the kernel nor raised")
     return Finding("ok", "fp32 and mixed-dtype q/k/v are refused before the kernel")
-
-
-def build(lookup: Lookup) -> Mapping[str, Any]:
-    return {TARGET: guard_forward(lookup(TARGET), refuse_unsupported_dtypes)}
-
-
-FIX = Fix(
-    id="cudnn_input_dtypes",
-    title="fp32 or mixed-dtype q/k/v are accepted by the raw cuDNN op and give garbage",
-    upstream="none filed yet: aten::_scaled_dot_product_cudnn_attention checks no dtype",
-    affected=">=0.36.0",
-    targets=(TARGET,),
-    check=check,
-    build=build,
-    kind="guard",
-    old_ids=("cudnn_fp32_inputs",),
-)

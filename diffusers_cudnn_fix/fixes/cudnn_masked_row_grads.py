@@ -1,39 +1,21 @@
 """cuDNN's attention backward gets a fully masked query row wrong when there is one key/value position.
 
-Bug: with a single key/value position (S_kv = 1) and an additive mask that masks it (``-inf``) for some query
-rows, ``aten::_scaled_dot_product_cudnn_attention_backward`` returns wrong dQ, dK and dV, silently. The
-forward is right (those rows' output is 0). Measured on an H200 (torch 2.11, cuDNN 9.19) on the bare kernels:
-bf16 with fewer than 8 query positions goes wrong, every other S_kv, fp16 and longer queries come out right
-(docs/kernel-facts.md). diffusers' context-parallel cuDNN ops hand the kernel the mask they were given (the
-mask guard's conversion of a bool mask writes ``-inf``), so the backward inherits the fault on every release.
-
-Releases: every release with the op, 0.36.0 up to at least 0.42.1. The fault is the kernel's; no upstream
-report is known.
-
-Detection: run the installed op pair with S_kv = 1, an additive mask that masks the key for one query row,
-and a ``grad_out`` of ones, and read the ``grad_out`` that reaches the backward kernel: broken when that row
-still carries a gradient.
-
-Replacement: a thin wrapper around the installed backward op. Where the saved mask has one key position
-(``mask.shape[-1] == 1``: always so when S_kv = 1), it sets ``grad_out`` to 0 in the query rows whose mask is
-``-inf``. Those rows have no attention weights, so their true contribution to every gradient is 0: the
-change is exact, and with it the kernel's gradients are right (measured on the same grid). Any other mask,
-and no mask, pass through untouched.
-
-Revert: the object that was there before is put back (the registry keeps it).
+Bug: with S_kv = 1 and an additive mask masking that key (``-inf``) for some rows, the kernel returns wrong
+dQ/dK/dV, silently (bf16, fewer than 8 query positions, on an H200; docs/kernel-facts.md). Every release
+with the op, 0.36.0 up to at least 0.42.1; the fault is the kernel's.
+Detection: S_kv = 1, one masked row, ``grad_out`` of ones: does that row's gradient reach the kernel?
+The package: :func:`without_masked_rows` zeroes those rows' ``grad_out`` (exact: they have no attention
+weights); any other mask, and no mask, pass untouched (docs/fixes.md).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from .. import _detect
-from .._fix import Finding, Fix, Lookup
-from .._key_padding import RESTORES, restored
+from .._fix import Finding, Lookup
 
 TARGET = "_cudnn_attention_backward_op"
 #: The kernels compute the softmax as exp2(score * log2(e) - max).
@@ -60,21 +42,6 @@ def without_masked_rows(grad_out: torch.Tensor, mask: Any) -> torch.Tensor:
     except RuntimeError:
         return grad_out  # a mask that does not fit: the kernel reports it in its own words
     return grad_out.masked_fill(masked, 0.0)
-
-
-def zero_masked_rows(inner: Callable[..., Any]) -> Callable[..., Any]:
-    """``inner`` (the installed backward op) handed a ``grad_out`` without fully masked rows (see above)."""
-
-    @functools.wraps(inner)  # keeps diffusers' backward-op signature, which the checks read
-    def cudnn_attention_backward_op(ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        grads = inner(ctx, without_masked_rows(grad_out, getattr(ctx, "attn_mask", None)), *args, **kwargs)
-        return restored(ctx, grads)  # dK/dV back to full length where the forward trimmed padded keys
-
-    cudnn_attention_backward_op.__doc__ = (
-        "diffusers' cuDNN backward op, handed no gradient for fully masked rows where S_kv is 1."
-    )
-    setattr(cudnn_attention_backward_op, RESTORES, True)  # the forward may trim padded keys (_key_padding)
-    return cudnn_attention_backward_op
 
 
 def check(lookup: Lookup) -> Finding:
@@ -107,19 +74,3 @@ def check(lookup: Lookup) -> Finding:
     if not bool(grad_out[:, :, :-1].eq(1).all()):
         return Finding("unknown", "the rows that see a key reach the backward kernel with another gradient")
     return Finding("ok", "with one key position, fully masked rows reach cuDNN's backward with no gradient")
-
-
-def build(lookup: Lookup) -> Mapping[str, Any]:
-    return {TARGET: zero_masked_rows(lookup(TARGET))}
-
-
-FIX = Fix(
-    id="cudnn_masked_row_grads",
-    title="cuDNN's backward gets fully masked query rows wrong when there is one key/value position",
-    upstream="none known: a fault of aten::_scaled_dot_product_cudnn_attention_backward (cuDNN 9.19)",
-    affected=">=0.36.0",
-    targets=(TARGET,),
-    check=check,
-    build=build,
-    kind="guard",
-)

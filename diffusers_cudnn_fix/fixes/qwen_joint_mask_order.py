@@ -1,65 +1,30 @@
 """QwenImage's joint attention mask meets Ulysses' K/V in another token order: padded prompts train wrong.
 
-Bug: QwenImage (0.37.0 - 0.38.0) builds its joint attention mask once per forward, full length, in the
-global token order [all text, all image]. Its context-parallel plan shards the text and the image streams
-separately, so each rank's joint sequence is [its text, its image]; Ulysses attention all-to-alls q/k/v
-into rank order [text_0, image_0, text_1, image_1, ...] and hands the op the mask as it came. With padded
-prompts the mask then masks image tokens and lets padding through: wrong outputs and gradients, silently,
-on every attention backend (a two-process training step of a tiny QwenImage with padded prompts: 194 % off
-one process on 0.38.0, docs/cp-training-tests.md). 0.37.x also build the mask 2-D, (B, S), which only
-diffusers' ``native`` backend reads as a key-padding mask. diffusers 0.39.0 fixed it upstream: the plan
-shards the mask with the sequence and Ulysses all-gathers a sequence-local mask, so both follow one order.
-(0.36.0's attention processor never reads ``encoder_hidden_states_mask``: no mask reaches attention.)
-
-Releases: those whose Ulysses attention hands the op the mask as it came, 0.36.0 to 0.38.0.
-
-Detection: run diffusers' own ``TemplatedUlyssesAttention.forward`` (the innermost function, Ulysses degree
-2, stand-in collectives) with a padded sequence-local mask: ok where it gathers the mask into the K/V's
-order before the op (0.39+). Where it hands the mask on as it came, call the installed forward from a
-stand-in of QwenImage's attention processor with a padded full-length mask in the global order, and read the
-mask that reaches diffusers' own forward (the call stops where that forward asks for its process group):
-ok where it is in the K/V's rank order (or refused), broken where it is the mask as it came.
-
-Replacement: the installed forward, which first puts a mask coming from QwenImage's attention processor (the
-calling frame's module) at Ulysses degree > 1 into the K/V's order, when its last dimension is the joint
-sequence (the local q/k length times the degree): :func:`rank_ordered_mask` permutes the key dimension, and
-the query dimension of a [B, 1, S, S] mask, from [text, image] into [text_0, image_0, text_1, image_1, ...];
-a 2-D (B, S) mask (0.37.x) is read as the key-padding mask diffusers' ``native`` backend makes of it. The
-text length per rank is the processor's ``seq_txt`` (its ``encoder_hidden_states``' length), the image length
-the rest of the local sequence. The reordered mask is kept per mask object and version, so a mask reused by
-every layer is reordered once (and the cuDNN mask conversion, which caches by object, converts it once).
-A mask this cannot map (a per-head or 3-D mask, a sequence-local mask this Ulysses would not gather, lengths
-it cannot read) is refused with :class:`UnsafeAttentionError` naming the layout, if it masks anything (read
-once per mask object and version); one that masks nothing passes as it came. Every call from another model
-passes untouched. Inside a ``torch.compile`` graph the calling frame cannot be read: there any mask at
-Ulysses degree > 1 with QwenImage's unsharding plan loaded makes dynamo run that call eagerly, where the
-reorder happens (with ``fullgraph=True`` it is an error naming the cause).
-
-Revert: the class's original ``forward`` staticmethod is put back (the registry keeps it).
+Bug: QwenImage's joint mask is in global order [all text, all image], Ulysses' K/V in rank order [text_0,
+image_0, text_1, ...]: padded prompts train silently wrong. Releases 0.36.0-0.38.0 (0.39.0 gathers a sharded
+mask). Detection: does diffusers' Ulysses forward gather a local mask; if not, which mask reaches it from a
+QwenImage processor stand-in? The package: :func:`in_kv_order` reorders QwenImage's mask into the K/V's
+order and refuses, naming the layout, a mask it cannot map that masks something (docs/fixes.md).
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import sys
 import types
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from .. import _detect
-from .._fix import Finding, Fix, Lookup
+from .._fix import Finding, Lookup, shipped_of
 from .._warnings import UnsafeAttentionError
 
 TARGET = "TemplatedUlyssesAttention.forward"
 QWEN_MODULE = "diffusers.models.transformers.transformer_qwenimage"
 QWEN_MODEL = "QwenImageTransformer2DModel"
 MASK_INPUT = "encoder_hidden_states_mask"
-#: Position of ``_parallel_config`` among the forward's arguments after the mask.
-_CONFIG_AFTER_MASK = 7
 #: Frames between the forward and the attention processor that called it are diffusers' dispatch, torch's
 #: autograd and this package; a deeper caller is not the processor.
 _MAX_FRAMES = 16
@@ -223,33 +188,26 @@ def _layout_problem(
     return None
 
 
-def ordering_qwen_masks(shipped: Callable[..., Any]) -> Callable[..., Any]:
-    """``shipped`` (``TemplatedUlyssesAttention.forward``) with QwenImage's joint mask put into the K/V's order."""
-
-    @functools.wraps(shipped)  # keeps the signature, which the other Ulysses fixes read
-    def forward(
-        ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, *args: Any, **kwargs: Any
-    ) -> Any:
-        if isinstance(attn_mask, torch.Tensor):
-            positional = args[_CONFIG_AFTER_MASK] if len(args) > _CONFIG_AFTER_MASK else None
-            config = kwargs.get("_parallel_config", positional)
-            degree = getattr(getattr(config, "context_parallel_config", None), "ulysses_degree", 1)
-            if isinstance(degree, int) and degree > 1:
-                if torch.compiler.is_compiling():
-                    # Neither the calling frame nor the mask's values can be read while tracing. Raising here
-                    # makes dynamo run this call eagerly, where they can (with fullgraph=True it is an error
-                    # that carries this message instead).
-                    if _unsharded_qwen_loaded():
-                        raise UnsafeAttentionError(COMPILE_MESSAGE.format(degree=degree))
-                else:
-                    frame = _qwen_frame(sys._getframe(1))
-                    if frame is not None:
-                        attn_mask = _in_kv_order(attn_mask, query, key, degree, frame)
-                    del frame
-        return shipped(ctx, query, key, value, attn_mask, *args, **kwargs)
-
-    forward.__doc__ = "diffusers' Ulysses forward, with QwenImage's joint mask put into the K/V's token order first."
-    return forward
+def in_kv_order(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor, config: Any) -> torch.Tensor:
+    """``attn_mask`` as the attention op must get it: QwenImage's joint mask (read off the calling frames:
+    through the package, dispatch and autograd) at Ulysses degree > 1 put into the K/V's order; every other
+    mask as it came. Raises :class:`UnsafeAttentionError` for a QwenImage mask it cannot map."""
+    degree = getattr(getattr(config, "context_parallel_config", None), "ulysses_degree", 1)
+    if not isinstance(degree, int) or degree <= 1:
+        return attn_mask
+    if torch.compiler.is_compiling():
+        # Neither the calling frame nor the mask's values can be read while tracing. Raising here makes dynamo
+        # run this call eagerly, where they can (with fullgraph=True it is an error that carries this message).
+        if _unsharded_qwen_loaded():
+            raise UnsafeAttentionError(COMPILE_MESSAGE.format(degree=degree))
+        return attn_mask
+    frame = _qwen_frame(sys._getframe(1))
+    if frame is None:
+        return attn_mask
+    try:
+        return _in_kv_order(attn_mask, query, key, degree, frame)
+    finally:
+        del frame  # a frame kept alive keeps the processor's tensors alive
 
 
 def _in_kv_order(
@@ -379,7 +337,7 @@ def check(lookup: Lookup) -> Finding:
     forward = lookup(TARGET)
     if forward is None:
         return Finding("absent", "this diffusers has no TemplatedUlyssesAttention")
-    shipped = inspect.unwrap(forward)
+    shipped = shipped_of(lookup, TARGET)
     gathers = _shipped_gathers(shipped)
     if isinstance(gathers, str):
         return Finding("unknown", f"the Ulysses forward could not be run in one process ({gathers})")
@@ -402,19 +360,3 @@ def check(lookup: Lookup) -> Finding:
         "Ulysses hands the attention op QwenImage's joint mask in the global token order [text, image], while "
         "the K/V arrive in rank order [text_0, image_0, text_1, ...]",
     )
-
-
-def build(lookup: Lookup) -> Mapping[str, Any]:
-    return {TARGET: staticmethod(ordering_qwen_masks(lookup(TARGET)))}
-
-
-FIX = Fix(
-    id="qwen_joint_mask_order",
-    title="QwenImage's joint mask meets Ulysses' K/V in another token order: padded prompts train wrong",
-    upstream="fixed in diffusers 0.39.0 (the plan shards the mask; Ulysses all-gathers it)",
-    affected=">=0.36.0,<0.39.0",
-    targets=(TARGET,),
-    check=check,
-    build=build,
-    kind="correction",
-)

@@ -1,75 +1,27 @@
 """Ring attention's backward hands the K/V gradient accumulator the wrong way round the ring (0.40 on).
 
-Bug: ``TemplatedRingAttention.backward`` works on the K/V chunk of ring rank ``rank + i`` at step ``i`` and
-passes the K/V gradient accumulator to rank ``rank + 1`` after each step. The rank receiving it works on the
-chunk of ``rank + i + 2`` next, not on the chunk the accumulator holds: each accumulator sums the gradients
-of several chunks. With two ring ranks ``rank + 2`` is ``rank`` and the route happens to be right; from ring
-degree 3 the K and V gradients are wrong (the output and the query gradient are right). See
-docs/kernel-facts.md, "Ring attention".
-
-Releases: 0.40.0 on (the release that corrected the first-step bug of ``ring_backward``).
-
-Detection: run the installed forward and backward in one process as rank 0 of a ring of three, with stand-in
-collectives and attention ops. The stand-in backward op returns, for each step, a K/V gradient that marks
-which rank's chunk that step worked on (read from the K it is handed); the stand-in ``permute_tensor``
-records each send's source -> destination map and hands rank 0 what its sender would hold, which, the ranks
-running the same code, is rank 0's own accumulator with the chunk marks shifted by the sender's rank. A
-correct route leaves on rank 0 the gradients of its own chunk only, one from each rank. The package's own
-corrected ring (``ring_backward`` on 0.36 to 0.39, and this fix's on 0.40 on) passes the same test; a ring
-whose steps do not work on each step's K/V at all (``ring_backward``'s bug, the fix skipped) is left to that
-fix.
-
-Replacement: the package's corrected ring (``ring_backward``'s forward, whose inference output is the
-shipped one's bit for bit, and :func:`routed_ring_backward`), driving diffusers' own backward ops the way
-0.40 does (each ring step's q / K / V and the merged output and log-sum-exp handed over as keyword tensors)
-and routing each chunk's K/V gradient to its owner at any ring degree. At ring degree 3 and more only
-diffusers' ``_native_cudnn`` and ``_native_flash`` backward ops are driven (behind the package's own
-wrappers, if any); any other backend is refused there with :class:`UnsafeAttentionError` naming the way out
-(at ring degree 2 it runs, as diffusers' own backward would). A mask, dropout or ``is_causal`` at ring degree
-> 1 (diffusers applies each rank's own mask to every ring step's K/V and keeps only the first step's random
-state) is refused as on 0.36 to 0.39.
-
-Revert: the class's original ``forward`` and ``backward`` staticmethods are put back (the registry keeps them).
-"""
+Bug: each accumulator sums the gradients of several chunks: right at ring degree 2 only. Releases 0.40.0 on.
+Detection: rank 0 of a ring of three in one process, stand-in ops marking each step's chunk: does rank 0 end
+with its own chunk's gradients only? Run on ring_backward's replacement, which it must find right.
+The package: the corrected ring (``targets/ring.py``) driving diffusers' own backward ops; other backends at
+degree >= 3, and a mask, dropout or causal at degree > 1, are refused (docs/fixes.md)."""
 
 from __future__ import annotations
 
-import types
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from .. import _detect
-from .._fix import Finding, Fix, Lookup
+from .._fix import Finding, Lookup
 from .._warnings import UnsafeAttentionError
-from .ring_backward import (
-    BACKWARD,
-    FORWARD,
-    installed_ring,
-    recorded,
-    ring_attention_forward,
-    ring_gradients,
-    step_backend,
-)
-
-if torch.distributed.is_available():
-    from torch.distributed import _functional_collectives as funcol
-else:  # a torch without distributed support never reaches ring attention
-    funcol = None  # type: ignore[assignment]
 
 FIX_ID = "ring_grad_route"
 
 #: The largest ring degree whose K/V gradients the shipped route gets right (any backend's op runs there).
 RIGHT_UP_TO = 2
-
 #: diffusers' own backward ops (0.40 on) that the corrected ring drives at any ring degree -> their backend.
 OPS = {"_cudnn_attention_backward_op": "_native_cudnn", "_native_flash_attention_backward_op": "_native_flash"}
-
-#: Those ops as installed, and every function they wrap, by identity -> backend; filled by :func:`build`. A
-#: module global, not a closure: the checks and the test harnesses run the installed backward as a copy that
-#: sees other module globals (the checks put their stand-in op here), and such a copy keeps no closure.
-STEP_BACKWARD_OPS: dict[Any, str] = {}
 
 
 def unsupported_backend_message(backward_op: Any, degree: int) -> str:
@@ -84,27 +36,6 @@ def unsupported_backend_message(backward_op: Any, degree: int) -> str:
         f"backward) is not affected. DIFFUSERS_CUDNN_FIX_SKIP={FIX_ID} lets diffusers' own (wrong) ring "
         f"backward run."
     )
-
-
-def routed_ring_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tuple[torch.Tensor | None, ...]:
-    """Stands in for ``TemplatedRingAttention.backward`` (0.40 on): each ring step's gradients from diffusers'
-    own backward op, handed that step's K/V with the merged output and log-sum-exp, and each chunk's K/V
-    gradient routed to its owner (``ring_backward.ring_gradients``)."""
-    record = recorded(ctx, FIX_ID)
-    degree = ctx._parallel_config.context_parallel_config.ring_degree
-    # The global as this function sees it (the check's stand-in op), through the package's wrappers.
-    if degree > RIGHT_UP_TO and step_backend(ctx.backward_op, STEP_BACKWARD_OPS) is None:
-        raise UnsafeAttentionError(unsupported_backend_message(ctx.backward_op, degree))
-    # What the forward op saved at the first ring step: q and the local K/V, in model layout (B, S, H, D).
-    query, key, value = ctx.saved_tensors[:3]
-
-    def step_grads(step_key: torch.Tensor, step_value: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        grads = ctx.backward_op(
-            ctx, grad_out, query=query, key=step_key, value=step_value, out=record.out, lse=record.lse
-        )
-        return tuple(grads[:3])
-
-    return ring_gradients(ctx, grad_out, key, value, step_grads, funcol)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -153,36 +84,19 @@ def _drive(forward: Any, backward: Any) -> tuple[list[int], list[list[int]], tor
         # The sender runs the same code on its own rank: its marks are ours shifted by its rank.
         return torch.roll(_marks(x), shifts=senders[0], dims=1).reshape(x.shape)
 
-    collectives = types.SimpleNamespace(
-        all_gather_tensor=lambda x, gather_dim=0, group=None: torch.cat([x + r for r in range(_WORLD)]),
-        permute_tensor=permute_tensor,
-        AsyncCollectiveTensor=type("AsyncCollectiveTensor", (), {}),
-    )
-    config = types.SimpleNamespace(
-        _ring_mesh=_detect.FAKE_MESH,
-        _ring_local_rank=0,
-        ring_degree=_WORLD,
-        convert_to_fp32=False,
-        _world_size=_WORLD,
-    )
-    parallel = types.SimpleNamespace(context_parallel_config=config)
-    ctx = _detect.ProbeCtx()
-    q, k, v = (torch.zeros(_BATCH, _SEQ, _HEADS, _DIM) for _ in range(3))
     try:
-        _detect.with_globals(forward, funcol=collectives)(
-            ctx, q, k, v, None, 0.0, False, None, False, False, forward_op, backward_op, parallel
-        )
-        # STEP_BACKWARD_OPS: the package's corrected ring drives only the ops it knows, by identity.
-        grads = _detect.with_globals(backward, funcol=collectives, STEP_BACKWARD_OPS={backward_op: "check"})(
-            ctx, torch.zeros(_BATCH, _SEQ, _HEADS, _DIM)
-        )
+        _, grads = _detect.run_ring(
+            forward, backward, forward_op, backward_op, world=_WORLD, permute=permute_tensor,
+            gather=lambda x, gather_dim=0, group=None: torch.cat([x + r for r in range(_WORLD)]),
+            shape=(_BATCH, _SEQ, _HEADS, _DIM),
+        )  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - the package's refusal, or an unknown build: the caller decides
         return chunks, routes, None, f"{type(exc).__name__}: {exc}"
     return chunks, routes, grads[1], None
 
 
 def check(lookup: Lookup) -> Finding:
-    found = installed_ring(lookup)
+    found = _detect.installed_ring(lookup)
     if isinstance(found, Finding):
         return found
     forward, backward = found
@@ -201,29 +115,3 @@ def check(lookup: Lookup) -> Finding:
     if got != want:
         return Finding("broken", f"{seen}: rank 0's K gradient sums the chunks {got}, not {want}")
     return Finding("ok", f"{seen}: every chunk's gradient reaches its owner")
-
-
-def build(lookup: Lookup) -> Mapping[str, Any]:
-    known: dict[Any, str] = {}
-    for name, backend in OPS.items():
-        op = lookup(name)
-        for _ in range(8):  # the installed op, and what its wrappers (functools.wraps) wrap: a chain, not a cycle
-            if op is None:
-                break
-            known[op] = backend
-            op = getattr(op, "__wrapped__", None)
-    STEP_BACKWARD_OPS.clear()
-    STEP_BACKWARD_OPS.update(known)
-    return {FORWARD: staticmethod(ring_attention_forward), BACKWARD: staticmethod(routed_ring_backward)}
-
-
-FIX = Fix(
-    id=FIX_ID,
-    title="ring attention's backward routes the K/V gradients wrong from ring degree 3",
-    upstream="https://github.com/huggingface/diffusers/pull/14274",
-    affected=">=0.40.0",
-    targets=(FORWARD, BACKWARD),
-    check=check,
-    build=build,
-    only_for="ring attention at ring_degree >= 3, or with a mask or dropout",
-)

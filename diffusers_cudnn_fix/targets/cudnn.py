@@ -1,0 +1,134 @@
+"""The one replacement of diffusers' cuDNN forward op and the one of its backward op.
+
+Each is built once from the set of fixes found broken; each fix found broken adds its policy, a plain
+function named in the comments below, at its place in the one call:
+
+forward: probe trigger and compile refusal (:func:`entering`) -> autocast cast -> ``cudnn_input_dtypes``
+(:func:`refuse_unsupported_dtypes`) -> ``cudnn_bool_mask`` (:func:`mask_policy`, then the key-padding trim,
+``_key_padding.trim``) -> [a new step on the mask the kernel gets goes here] -> ``cudnn_forward_lse``
+(:func:`corrected_forward`, else diffusers' op).
+backward: ``cudnn_masked_row_grads`` (:func:`without_masked_rows`) -> [a new step on ``grad_out`` goes here]
+-> ``cudnn_backward_kv`` (:func:`corrected_backward`, else diffusers' op) -> K/V gradients back to full
+length where the forward trimmed keys (``_key_padding.restored``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._fix import Lookup
+from .._key_padding import RESTORES, restored, trim
+from .._layout import entering, realigned, realigned_all
+from ..fixes.cudnn_backward_kv import corrected_backward
+from ..fixes.cudnn_bool_mask import mask_policy
+from ..fixes.cudnn_forward_lse import corrected_forward
+from ..fixes.cudnn_input_dtypes import refuse_unsupported_dtypes
+from ..fixes.cudnn_masked_row_grads import without_masked_rows
+from .ring import STEPS_ATTR
+
+FORWARD = "_cudnn_attention_forward_op"
+BACKWARD = "_cudnn_attention_backward_op"
+TARGETS = (FORWARD, BACKWARD)
+FORWARD_POLICIES = frozenset({"cudnn_forward_lse", "cudnn_input_dtypes", "cudnn_bool_mask"})
+BACKWARD_POLICIES = frozenset({"cudnn_backward_kv", "cudnn_masked_row_grads"})
+POLICIES = FORWARD_POLICIES | BACKWARD_POLICIES
+
+
+def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
+    built: dict[str, Any] = {}
+    if broken & FORWARD_POLICIES:
+        built[FORWARD] = forward_op(shipped(FORWARD), broken)
+    if broken & BACKWARD_POLICIES:
+        built[BACKWARD] = backward_op(shipped(BACKWARD), broken)
+    return built
+
+
+def forward_op(shipped: Any, broken: frozenset[str]) -> Any:
+    """diffusers' cuDNN forward op ``shipped`` with the policies of the ``broken`` fixes."""
+    correct = "cudnn_forward_lse" in broken
+    dtypes = "cudnn_input_dtypes" in broken
+    masks = "cudnn_bool_mask" in broken
+    guarded = dtypes or masks
+
+    def cudnn_attention_forward_op(
+        ctx: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        return_lse: bool = False,
+        _save_ctx: bool = True,
+        _parallel_config: Any = None,
+    ) -> Any:
+        entering(query)
+        if guarded:
+            # Under autocast, q/k/v in the autocast dtype, as F.scaled_dot_product_attention's autocast rule casts
+            # them: the raw op has no such rule, and a model under autocast hands it fp32 q/k from its norms.
+            if torch.is_autocast_enabled(query.device.type) and query.is_floating_point():
+                dtype = torch.get_autocast_dtype(query.device.type)
+                query, key, value = (x.to(dtype) if x.is_floating_point() else x for x in (query, key, value))
+            if dtypes:
+                refuse_unsupported_dtypes(query, key, value, None)
+            if attn_mask is not None:
+                if masks:
+                    given, attn_mask = attn_mask, mask_policy(query, key, value, attn_mask)
+                    if attn_mask is not None:  # a mask that only pads keys: the valid keys alone (convert mode)
+                        key, value, attn_mask = trim(
+                            ctx, query, key, value, given, attn_mask,
+                            dropout_p=dropout_p, is_causal=is_causal, save_ctx=_save_ctx,
+                            parallel_config=_parallel_config,
+                        )  # fmt: skip
+                # A new per-call step on the mask the kernel gets goes here.
+                # Views at an odd offset reach the kernel as they are on every release: hand it aligned memory.
+                if attn_mask is not None:
+                    attn_mask = realigned(attn_mask)
+        if correct:
+            return corrected_forward(
+                ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, _save_ctx
+            )
+        if guarded:
+            query, key, value = realigned_all(query, key, value)
+        return shipped(
+            ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+            _save_ctx=_save_ctx, _parallel_config=_parallel_config,
+        )  # fmt: skip
+
+    cudnn_attention_forward_op.__doc__ = (
+        f"diffusers' cuDNN forward op with the policies of {sorted(broken & FORWARD_POLICIES)}."
+    )
+    if masks:
+        cudnn_attention_forward_op.mask_policy = mask_policy  # type: ignore[attr-defined]  # for Ulysses' replacement
+    # Only the corrected forward hands the kernel strided views where the GPU probe verified them.
+    cudnn_attention_forward_op.zero_copy = correct  # type: ignore[attr-defined]
+    return cudnn_attention_forward_op
+
+
+def backward_op(shipped: Any, broken: frozenset[str]) -> Any:
+    """diffusers' cuDNN backward op ``shipped`` with the policies of the ``broken`` fixes."""
+    correct = "cudnn_backward_kv" in broken
+    rows = "cudnn_masked_row_grads" in broken
+
+    def cudnn_attention_backward_op(ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        mask = getattr(ctx, "attn_mask", None)
+        if mask is not None:
+            if rows:
+                grad_out = without_masked_rows(grad_out, mask)
+            # A new per-call step on a masked backward goes here.
+        if correct:
+            grads = corrected_backward(ctx, grad_out, **kwargs)
+        else:
+            grads = shipped(ctx, grad_out, *args, **kwargs)
+        return restored(ctx, grads)  # dK / dV back to full length where the forward trimmed padded keys
+
+    cudnn_attention_backward_op.__doc__ = (
+        f"diffusers' cuDNN backward op with the policies of {sorted(broken & BACKWARD_POLICIES)}."
+    )
+    setattr(cudnn_attention_backward_op, RESTORES, True)  # the forward may trim padded keys (_key_padding)
+    setattr(cudnn_attention_backward_op, STEPS_ATTR, ("_native_cudnn", "saved" if correct else "keywords"))
+    return cudnn_attention_backward_op

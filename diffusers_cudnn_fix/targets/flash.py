@@ -1,0 +1,46 @@
+"""The one replacement of diffusers' native-flash forward op and the one of its backward op.
+
+forward: ``flash_input_alignment`` (probe trigger, compile refusal, q/k/v on 16 bytes) -> diffusers' op.
+backward: ``flash_backward_kv`` (:func:`corrected_backward`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from .._fix import Lookup
+from .._layout import entering, realigned_all
+from ..fixes.flash_backward_kv import corrected_backward
+from .ring import STEPS_ATTR
+
+FORWARD = "_native_flash_attention_forward_op"
+BACKWARD = "_native_flash_attention_backward_op"
+TARGETS = (FORWARD, BACKWARD)
+POLICIES = frozenset({"flash_input_alignment", "flash_backward_kv"})
+
+
+def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
+    built: dict[str, Any] = {}
+    if "flash_input_alignment" in broken:
+        built[FORWARD] = aligned_forward(shipped(FORWARD))
+    if "flash_backward_kv" in broken:
+        built[BACKWARD] = corrected_backward
+        setattr(corrected_backward, STEPS_ATTR, ("_native_flash", "saved"))
+    return built
+
+
+def aligned_forward(shipped: Any) -> Any:
+    """``shipped`` (the flash forward op) handed q/k/v on 16 bytes; its signature is the shipped op's."""
+
+    def native_flash_attention_forward_op(
+        ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
+        entering(query)  # where the GPU probe first runs for users of the flash backend only
+        return shipped(ctx, *realigned_all(query, key, value), *args, **kwargs)
+
+    native_flash_attention_forward_op.__doc__ = "diffusers' native-flash forward op, handed q/k/v on 16 bytes."
+    native_flash_attention_forward_op.__signature__ = inspect.signature(shipped)  # type: ignore[attr-defined]
+    return native_flash_attention_forward_op

@@ -1,0 +1,266 @@
+"""The one replacement of ``TemplatedRingAttention.forward`` and of its ``backward``: the corrected ring.
+
+The forward computes what the shipped one computes (the same arithmetic in the same order) and keeps the
+merged output and log-sum-exp for the backward. The backward runs each ring step's backward op on that
+step's K/V with the merged output and log-sum-exp, sums dQ locally and passes the K/V gradient accumulator
+round the ring so that each chunk's gradient ends on its owner, at any ring degree. What a step's backward
+op is handed is each fix's policy: ``ring_backward`` (0.36-0.39) the saved tensors of the package's
+corrected ops (:func:`saved_step_backward`), ``ring_grad_route`` (0.40 on) diffusers' own ops' per-step
+keywords (:func:`keyword_step_backward`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .._detect import RING_CLASS, RING_FORWARD_PARAMS, Lookup
+from .._layout import realigned, to_kernel_layout, with_strides_of
+from .._warnings import UnsafeAttentionError
+from ..fixes import ring_backward, ring_grad_route
+
+if torch.distributed.is_available():
+    from torch.distributed import _functional_collectives as funcol
+else:  # a torch without distributed support never reaches ring attention
+    funcol = None  # type: ignore[assignment]
+
+FORWARD = f"{RING_CLASS}.forward"
+BACKWARD = f"{RING_CLASS}.backward"
+TARGETS = (FORWARD, BACKWARD)
+POLICIES = frozenset({"ring_backward", "ring_grad_route"})
+#: The inputs ``apply`` takes (every parameter but ``ctx``): the backward returns one gradient for each.
+INPUTS = len(RING_FORWARD_PARAMS) - 1
+#: Where the corrected forward leaves what the corrected backward needs, on the autograd context.
+RECORD = "_diffusers_cudnn_fix_ring"
+#: Set on the package's own cuDNN / flash backward ops: (backend, "saved" where the op is the corrected one
+#: reading a step's tensors from ``ctx.saved_tensors``, else "keywords": diffusers' own op inside).
+STEPS_ATTR = "ring_steps"
+
+#: diffusers' own backward ops the routed ring drives, by identity -> backend; set by :func:`build` (a module
+#: global, not a closure: the checks run the backward as a copy that sees their stand-in op here).
+STEP_BACKWARD_OPS: dict[Any, str] = {}
+
+
+@dataclass(frozen=True)
+class RingRecord:
+    """What the corrected forward keeps for the backward: the merged output (B, S, H, D) and log-sum-exp
+    (B, S, H), detached, and what makes the backward refuse (None when it may run)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    refusal: str | None
+
+
+class StepContext:
+    """The autograd context as one ring step's backward op sees it: that step's saved tensors, every other
+    attribute (scale, max_q, max_k, the mask, ...) read from the real context."""
+
+    __slots__ = ("_ctx", "saved_tensors")
+
+    def __init__(self, ctx: Any, saved_tensors: tuple[Any, ...]) -> None:
+        self._ctx = ctx
+        self.saved_tensors = saved_tensors
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
+
+
+def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
+    """The corrected ring where ``ring_backward`` or ``ring_grad_route`` is broken."""
+    if "ring_backward" in broken:
+        backward = saved_step_backward
+    elif "ring_grad_route" in broken:
+        backward = keyword_step_backward
+        STEP_BACKWARD_OPS.clear()
+        STEP_BACKWARD_OPS.update({shipped(n): b for n, b in ring_grad_route.OPS.items() if shipped(n) is not None})
+    else:
+        return {}
+    return {FORWARD: staticmethod(ring_attention_forward), BACKWARD: staticmethod(backward)}
+
+
+def _split_kv(chunk: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's K and V out of its flat (K, V) chunk of the all-gathered buffer, shaped as ours."""
+    return chunk[: key.numel()].reshape_as(key), chunk[key.numel() :].reshape_as(value)
+
+
+def _wait(tensor: torch.Tensor, collectives: Any) -> torch.Tensor:
+    """The collective's result, waited for (functional collectives return a tensor that completes later)."""
+    if collectives is not None and isinstance(tensor, collectives.AsyncCollectiveTensor):
+        return tensor.wait()
+    return tensor
+
+
+def ring_attention_forward(
+    ctx: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    return_lse: bool,
+    forward_op: Any,
+    backward_op: Any,
+    _parallel_config: Any = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Stands in for ``TemplatedRingAttention.forward``: the shipped computation, plus what the backward needs.
+
+    Step ``i`` attends to the K/V of ring rank ``rank + i``; the steps are merged through their
+    log-sum-exps (docs/kernel-facts.md). Only the first step saves the op's autograd context, as shipped.
+    """
+    config = _parallel_config.context_parallel_config
+    group = config._ring_mesh.get_group()
+    rank, world = config._ring_local_rank, config.ring_degree
+    ctx.forward_op = forward_op
+    ctx.backward_op = backward_op
+    ctx.q_shape = query.shape
+    ctx.kv_shape = key.shape
+    ctx._parallel_config = _parallel_config
+
+    gathered = funcol.all_gather_tensor(
+        torch.cat([key.flatten(), value.flatten()]).contiguous(), gather_dim=0, group=group
+    ).chunk(world)
+    out = lse = None
+    for step in range(world):
+        step_key, step_value = (key, value) if step == 0 else _split_kv(gathered[(rank + step) % world], key, value)
+        step_out, step_lse = forward_op(
+            ctx, query, step_key, step_value, attn_mask, dropout_p, is_causal, scale, enable_gqa, True,
+            _save_ctx=step == 0, _parallel_config=_parallel_config,
+        )  # fmt: skip
+        if config.convert_to_fp32:
+            step_out, step_lse = step_out.to(torch.float32), step_lse.to(torch.float32)
+        # (B, S, H) or, from the cuDNN op on torch >= 2.9, already (B, S, H, 1): broadcast against (B, S, H, D).
+        if step_lse.dim() == 3:
+            step_lse = step_lse.unsqueeze(-1)
+        if out is None or lse is None:
+            out, lse = step_out, step_lse
+        else:
+            out = out - torch.sigmoid(step_lse - lse) * (out - step_out)
+            lse = lse - F.logsigmoid(lse - step_lse)
+    assert out is not None and lse is not None  # world >= 1
+    out = out.to(query.dtype)
+    lse = lse.squeeze(-1)
+    refused = ring_backward.refusal(world, attn_mask, dropout_p, is_causal, enable_gqa)
+    setattr(ctx, RECORD, RingRecord(out.detach(), lse.detach(), refused))
+    return (out, lse) if return_lse else out
+
+
+def _step_backend(backward_op: Any, style: str, known_ops: dict[Any, str]) -> str | None:
+    """The backend whose backward op ``backward_op`` is, where the ring may drive it in ``style``. ``known_ops``:
+    the caller's ``STEP_BACKWARD_OPS`` (the checks hand the caller their stand-in through its globals)."""
+    known = known_ops.get(backward_op)
+    if known is not None:
+        return known
+    steps = getattr(backward_op, STEPS_ATTR, None)
+    return steps[0] if steps is not None and (style == "keywords" or steps[1] == style) else None
+
+
+def _recorded(ctx: Any, fix_id: str) -> RingRecord:
+    """What the corrected forward kept on ``ctx``; raises where the backward must not run."""
+    record = getattr(ctx, RECORD, None)
+    way_out = ring_backward.way_out(fix_id)
+    if not isinstance(record, RingRecord):
+        raise UnsafeAttentionError(
+            "diffusers_cudnn_fix: this ring attention's forward ran before the package corrected the ring "
+            f"(apply() between a forward and its backward?), so its backward cannot be corrected. {way_out}"
+        )
+    if record.refusal is not None:
+        raise UnsafeAttentionError(
+            f"diffusers_cudnn_fix: ring context parallelism's backward is corrected without masks, dropout, causal "
+            f"attention or GQA; this call has {record.refusal}. {way_out}"
+        )
+    return record
+
+
+def saved_step_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tuple[torch.Tensor | None, ...]:
+    """``ring_backward``'s policy (0.36 to 0.39): each ring step's gradients from the package's corrected
+    backward op, handed that step's K/V with the merged output and log-sum-exp as its saved tensors."""
+    if _step_backend(ctx.backward_op, "saved", STEP_BACKWARD_OPS) is None:
+        raise UnsafeAttentionError(ring_backward.unsupported_backend_message(ctx.backward_op))
+    record = _recorded(ctx, ring_backward.FIX_ID)
+    # What the forward op saved (kernel layout): q, the local K/V, then the rest as the op keeps it. The
+    # step's output and log-sum-exp are replaced by the merged ones, laid out as the kernel takes them.
+    query, key, value, _, _, *rest = ctx.saved_tensors
+    out = to_kernel_layout(record.out)
+    lse = record.lse.to(torch.float32).transpose(1, 2).contiguous()
+    # grad_out laid out as the op will hand it to the kernel (out's strides): copied once, not per step.
+    grad_out = with_strides_of(grad_out.transpose(1, 2), out).transpose(1, 2)
+
+    def step_grads(step_key: torch.Tensor, step_value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        step_ctx = StepContext(ctx, (query, step_key, step_value, out, lse, *rest))
+        return tuple(ctx.backward_op(step_ctx, grad_out)[:3])
+
+    return ring_gradients(ctx, grad_out, key, value, step_grads, funcol)
+
+
+def keyword_step_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tuple[torch.Tensor | None, ...]:
+    """``ring_grad_route``'s policy (0.40 on): each ring step's gradients from diffusers' own backward op,
+    handed that step's K/V with the merged output and log-sum-exp as keywords, as 0.40 does."""
+    record = _recorded(ctx, ring_grad_route.FIX_ID)
+    degree = ctx._parallel_config.context_parallel_config.ring_degree
+    if degree > ring_grad_route.RIGHT_UP_TO and _step_backend(ctx.backward_op, "keywords", STEP_BACKWARD_OPS) is None:
+        raise UnsafeAttentionError(ring_grad_route.unsupported_backend_message(ctx.backward_op, degree))
+    # What the forward op saved at the first ring step: q and the local K/V, in model layout (B, S, H, D).
+    query, key, value = ctx.saved_tensors[:3]
+
+    def step_grads(step_key: torch.Tensor, step_value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        grads = ctx.backward_op(
+            ctx, grad_out, query=query, key=step_key, value=step_value, out=record.out, lse=record.lse
+        )
+        return tuple(grads[:3])
+
+    return ring_gradients(ctx, grad_out, key, value, step_grads, funcol)
+
+
+def ring_gradients(
+    ctx: Any,
+    grad_out: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    step_grads: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]],
+    collectives: Any,
+) -> tuple[torch.Tensor | None, ...]:
+    """The ring backward's gradients for every input of ``TemplatedRingAttention.forward``.
+
+    Step ``i`` works on the K/V chunk of ring rank ``rank - i``: ``step_grads(K, V)`` returns that chunk's
+    (dQ, dK, dV) for our queries. dQ is summed here; the chunk's dK/dV are added to the accumulator that
+    arrived from rank ``rank - 1`` (which has just worked on the same chunk) and passed on to rank
+    ``rank + 1``: after the last step that is the chunk's owner, for any ring degree. ``collectives`` is the
+    caller's ``funcol`` (the checks and test harnesses hand the caller stand-ins through its globals).
+    """
+    config = ctx._parallel_config.context_parallel_config
+    group = config._ring_mesh.get_group()
+    rank, world = config._ring_local_rank, config.ring_degree
+    to_next = [(r + 1) % world for r in range(world)]  # rank r sends to r + 1
+
+    gathered = collectives.all_gather_tensor(
+        torch.cat([key.flatten(), value.flatten()]).contiguous(), gather_dim=0, group=group
+    ).chunk(world)
+    accum_dtype = torch.float32 if config.convert_to_fp32 else grad_out.dtype
+    grad_query = torch.zeros(ctx.q_shape, dtype=accum_dtype, device=grad_out.device)
+    arriving = None
+    for step in range(world):
+        if step == 0:
+            step_key, step_value = key, value
+        else:
+            step_key, step_value = _split_kv(gathered[(rank - step) % world], key, value)
+            step_key, step_value = realigned(step_key), realigned(step_value)
+        grad_q, grad_k, grad_v = step_grads(step_key, step_value)
+        grad_query += grad_q
+        grad_kv = torch.cat([grad_k.flatten(), grad_v.flatten()]).to(accum_dtype)
+        if arriving is not None:
+            grad_kv += _wait(arriving, collectives)
+        arriving = collectives.permute_tensor(grad_kv, to_next, group=group)
+    assert arriving is not None  # world >= 1
+    grad_kv = _wait(arriving, collectives)
+    numel = ctx.kv_shape.numel()  # a torch.Size
+    grad_key = grad_kv[:numel].reshape(ctx.kv_shape)
+    grad_value = grad_kv[numel:].reshape(ctx.kv_shape)
+    dtype = grad_out.dtype
+    return (grad_query.to(dtype), grad_key.to(dtype), grad_value.to(dtype), *(None,) * (INPUTS - 3))

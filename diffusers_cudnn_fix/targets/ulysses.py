@@ -1,0 +1,87 @@
+"""The one replacement of ``TemplatedUlyssesAttention.forward`` and the one of its ``backward``.
+
+forward, for a mask tensor: ``qwen_joint_mask_order`` (:func:`in_kv_order`) ->
+``ulysses_mask_grad`` (:func:`refuse_mask_grad`, a mask that requires grad) -> ``cudnn_bool_mask`` (the cuDNN
+op's :func:`mask_policy`, before diffusers gathers the mask) -> [a new step on the mask goes here] ->
+diffusers' forward. backward: diffusers' backward -> ``ulysses_grad_count`` (one gradient per input).
+Both call diffusers' function as their keyword ``_shipped``, so that a check can run them with stand-in
+collectives (``_detect.with_stand_ins``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._detect import input_count
+from .._fix import Lookup
+from ..fixes.qwen_joint_mask_order import in_kv_order
+from ..fixes.ulysses_mask_grad import refuse_mask_grad
+
+CLASS = "TemplatedUlyssesAttention"
+FORWARD = f"{CLASS}.forward"
+BACKWARD = f"{CLASS}.backward"
+TARGETS = (FORWARD, BACKWARD)
+FORWARD_POLICIES = frozenset({"qwen_joint_mask_order", "ulysses_mask_grad", "cudnn_bool_mask"})
+POLICIES = FORWARD_POLICIES | {"ulysses_grad_count"}
+#: Positions among the forward's arguments after the mask: ``forward_op`` and ``_parallel_config``.
+_FORWARD_OP_AFTER_MASK = 5
+_CONFIG_AFTER_MASK = 7
+
+
+def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
+    built: dict[str, Any] = {}
+    if broken & FORWARD_POLICIES and shipped(FORWARD) is not None:
+        built[FORWARD] = staticmethod(forward(shipped(FORWARD), broken))
+    if "ulysses_grad_count" in broken:
+        inputs = input_count(shipped(FORWARD))
+        assert inputs is not None  # the check read it before the build
+        built[BACKWARD] = staticmethod(backward(shipped(BACKWARD), inputs))
+    return built
+
+
+def forward(shipped: Any, broken: frozenset[str]) -> Any:
+    """diffusers' Ulysses forward ``shipped`` with the policies of the ``broken`` fixes on the mask."""
+    qwen = "qwen_joint_mask_order" in broken
+    grad = "ulysses_mask_grad" in broken
+    convert = "cudnn_bool_mask" in broken
+
+    def ulysses_attention_forward(
+        ctx: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: Any,
+        *args: Any,
+        _shipped: Any = shipped,
+        **kwargs: Any,
+    ) -> Any:
+        if isinstance(attn_mask, torch.Tensor):
+            if qwen:
+                config = args[_CONFIG_AFTER_MASK] if len(args) > _CONFIG_AFTER_MASK else None
+                attn_mask = in_kv_order(attn_mask, query, key, kwargs.get("_parallel_config", config))
+            if grad:
+                refuse_mask_grad(attn_mask)
+            # A mask that requires grad goes on as it came: with the mask-grad guard off, the op's policy refuses it.
+            if convert and not attn_mask.requires_grad:
+                op = args[_FORWARD_OP_AFTER_MASK] if len(args) > _FORWARD_OP_AFTER_MASK else kwargs.get("forward_op")
+                policy = getattr(op, "mask_policy", None)
+                if policy is not None:
+                    attn_mask = policy(query, key, value, attn_mask)
+        return _shipped(ctx, query, key, value, attn_mask, *args, **kwargs)
+
+    ulysses_attention_forward.__doc__ = (
+        f"diffusers' Ulysses forward with the policies of {sorted(broken & FORWARD_POLICIES)}."
+    )
+    return ulysses_attention_forward
+
+
+def backward(shipped: Any, inputs: int) -> Any:
+    """diffusers' Ulysses backward ``shipped``, its result padded with ``None`` to one gradient per input."""
+
+    def ulysses_attention_backward(ctx: Any, grad_out: torch.Tensor, *args: Any, _shipped: Any = shipped) -> Any:
+        grads = tuple(_shipped(ctx, grad_out, *args))
+        return grads + (None,) * (inputs - len(grads))
+
+    return ulysses_attention_backward

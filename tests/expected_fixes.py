@@ -1,0 +1,41 @@
+"""The one test-side table of fix ids: which releases carry each bug, written out by hand from
+docs/kernel-facts.md and upstream's release notes (the package's own table, ``fixes/__init__.py``, is checked
+against it, never read to build it). A new fix adds one line here (docs/adding-a-fix.md)."""
+
+from __future__ import annotations
+
+from releases import RELEASES
+
+_WITH_OPS = frozenset(RELEASES) - {"0.35.2"}
+
+#: fix id -> the releases that carry the bug (and so get the fix applied).
+CARRIES: dict[str, frozenset[str]] = {
+    # Gradient corrections (the package's reason to exist).
+    "cudnn_forward_lse": frozenset({"0.36.0", "0.37.0", "0.37.1", "0.38.0", "0.39.0"}),
+    "cudnn_backward_kv": frozenset({"0.36.0", "0.37.0", "0.37.1", "0.38.0", "0.39.0"}),
+    "flash_backward_kv": frozenset({"0.37.0", "0.37.1", "0.38.0", "0.39.0"}),
+    "ulysses_grad_count": frozenset({"0.36.0"}),
+    "ring_backward": frozenset({"0.36.0", "0.37.0", "0.37.1", "0.38.0", "0.39.0"}),
+    "ring_grad_route": frozenset({"0.40.0", "0.41.0", "0.42.0", "0.42.1"}),
+    "qwen_joint_mask_order": frozenset({"0.36.0", "0.37.0", "0.37.1", "0.38.0"}),
+    # Guards.
+    "cudnn_bool_mask": _WITH_OPS,
+    "cudnn_input_dtypes": _WITH_OPS,
+    "cudnn_masked_row_grads": _WITH_OPS,
+    "ulysses_mask_grad": _WITH_OPS,
+    "flash_input_alignment": _WITH_OPS - {"0.36.0"},
+}
+CORRECTIONS = ("cudnn_forward_lse", "cudnn_backward_kv", "flash_backward_kv", "ulysses_grad_count")
+CORRECTIONS += ("ring_backward", "ring_grad_route", "qwen_joint_mask_order")
+GUARDS = tuple(i for i in CARRIES if i not in CORRECTIONS)
+FIX_IDS = tuple(CARRIES)
+
+
+def applied(version: str) -> list[str]:
+    """The fixes the package applies on ``version``, sorted."""
+    return sorted(i for i, releases in CARRIES.items() if version in releases)
+
+
+def not_on(version: str) -> tuple[str, ...]:
+    """The fixes ``version`` does not carry."""
+    return tuple(i for i, releases in CARRIES.items() if version not in releases)

@@ -1,0 +1,46 @@
+"""Every fix has what docs/adding-a-fix.md lists: a record, a module with a short docstring and a check, a policy
+in a target's replacement, a line in the test-side table, a behaviour test, and its docs. No torch needed for the
+table; the modules are read as text."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+from expected_fixes import CARRIES
+
+from diffusers_cudnn_fix.fixes import ALL_FIXES
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "diffusers_cudnn_fix"
+IDS = [fix.id for fix in ALL_FIXES]
+
+
+def _policies() -> dict[str, set[str]]:
+    """Target group module -> the fix ids its ``POLICIES`` names (read from the source: no torch)."""
+    found: dict[str, set[str]] = {}
+    for path in (PACKAGE / "targets").glob("*.py"):
+        found[path.stem] = set(re.findall(r'"([a-z_]+)"', "".join(re.findall(r"POLICIES = [^\n]*", path.read_text()))))
+    return found
+
+
+def test_the_table_and_the_test_table_name_the_same_fixes() -> None:
+    assert sorted(IDS) == sorted(CARRIES)
+
+
+@pytest.mark.parametrize("fix", ALL_FIXES, ids=IDS)
+def test_each_fix_has_what_adding_a_fix_lists(fix) -> None:
+    module = PACKAGE / "fixes" / f"{fix.id}.py"
+    assert module.exists(), f"no module fixes/{fix.id}.py"
+    tree = ast.parse(module.read_text())
+    doc = ast.get_docstring(tree) or ""
+    assert 0 < len(doc.splitlines()) <= 8, f"fixes/{fix.id}.py: the docstring is {len(doc.splitlines())} lines"
+    assert any(isinstance(n, ast.FunctionDef) and n.name == "check" for n in tree.body), f"{fix.id}: no check()"
+    assert any(fix.id in ids for ids in _policies().values()), f"{fix.id}: in no target group's POLICIES"
+    docs = (ROOT / "docs" / "fixes.md").read_text()
+    assert f"## `{fix.id}`" in docs, f"docs/fixes.md has no section for {fix.id}"
+    assert f"`{fix.id}`" in (ROOT / "docs" / "behaviour.md").read_text(), f"docs/behaviour.md misses {fix.id}"
+    tests = [p for p in (ROOT / "tests").glob("test_*.py") if p.name not in ("test_adding_a_fix.py",)]
+    assert any(fix.id in p.read_text() for p in tests), f"no test file names {fix.id}"
