@@ -165,7 +165,9 @@ def _problems(version: str, snap: dict, state: str) -> list[str]:
 
 def _run_order(version: str, steps: list[str], env: dict[str, str] | None = None) -> list[dict]:
     script = textwrap.dedent(DRIVER).format(targets=TARGETS, steps=steps)
-    result = run(release_dir(version), script + "\nprint(json.dumps({'snapshots': snapshots}))\n", env=env)
+    result = run(
+        release_dir(version), script + "\nprint(json.dumps({'snapshots': snapshots}))\n", env=env, preloaded=True
+    )
     snapshots = result["snapshots"]
     assert [s["step"] for s in snapshots] == steps
     return snapshots

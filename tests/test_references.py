@@ -45,5 +45,6 @@ def test_user_holders_are_rebound_and_restored(tmp_path: Path, version: str) -> 
             done(rebound=rebound, patched=patched, vendor_left=vendor_left, restored=restored)
             """
         ),
+        preloaded=True,
     )
     assert result["patched"] and result["rebound"] and result["vendor_left"] and result["restored"], result

@@ -153,6 +153,7 @@ def test_a_bad_environment_value_warns_once_and_says_what_is_used(variable: str)
             """
         ),
         env={variable: value},
+        preloaded=True,
     )
     messages = switch_warnings(result)
     assert len(messages) == 1, result["warnings"]  # one per variable and value, however often it is read
@@ -201,6 +202,7 @@ def test_values_are_case_insensitive_and_stripped_in_the_environment() -> None:
             # Upper case, spaces, and the old id of cudnn_input_dtypes.
             "DIFFUSERS_CUDNN_FIX_SKIP": " CUDNN_BACKWARD_KV , cudnn_fp32_inputs",
         },
+        preloaded=True,
     )
     assert switch_warnings(result) == [], result["warnings"]
     status = result["status"]
@@ -252,6 +254,7 @@ def test_the_api_takes_any_case_and_rejects_bad_values() -> None:
             done(d.status(), modes=modes, rejected=rejected, accepted=accepted)
             """
         ),
+        preloaded=True,
     )
     modes = result["modes"]
     assert modes["WARN"]["status"] == "wrong" and "MaskMisreadWarning" in modes["WARN"]["warnings"], modes["WARN"]
@@ -289,6 +292,7 @@ def test_switched_off_on_an_affected_release_is_not_safe() -> None:
             """
         ),
         env={"DIFFUSERS_CUDNN_FIX": "0"},
+        preloaded=True,
     )
     assert result["patched"] is False  # apply() obeys the switch too
     assert result["status"]["enabled"] is False
@@ -329,7 +333,9 @@ def test_the_readme_and_help_list_every_spelling_the_switch_takes() -> None:
 
 def test_switched_off_where_there_is_nothing_to_fix_is_ok() -> None:
     """0.35.2 has none of the ops: switched off (upper case, spaces: the same parser) is still OK."""
-    result = run(release_dir("0.35.2"), script("done(lifecycle())\n"), env={"DIFFUSERS_CUDNN_FIX": " OFF "})
+    result = run(
+        release_dir("0.35.2"), script("done(lifecycle())\n"), env={"DIFFUSERS_CUDNN_FIX": " OFF "}, preloaded=True
+    )
     assert result["status"]["enabled"] is False
     assert result["status"]["ok"] is True
     assert "NOT SAFE" not in result["text"]

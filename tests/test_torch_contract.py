@@ -114,7 +114,7 @@ print(json.dumps({
 @pytest.mark.slow
 @pytest.mark.parametrize("version", ["0.38.0", "0.42.1"])  # 0.42.1 skipped on torch < 2.6 (conftest.py)
 def test_a_changed_op_is_refused_clearly_in_status_and_doctor(version: str) -> None:
-    result = run(release_dir(version), CHANGED_OP)
+    result = run(release_dir(version), CHANGED_OP, preloaded=True)
     fixes = result["fixes"]
     for fix_id in ("cudnn_forward_lse", "cudnn_backward_kv"):
         detected, applied, reason = fixes[fix_id]
