@@ -307,23 +307,6 @@ def _eager(
 # --- the worker --------------------------------------------------------------------------------------------
 
 
-def _pair_function(torch: Any) -> Any:
-    class Pair(torch.autograd.Function):
-        """An op pair driven as TemplatedUlyssesAttention drives it (inputs as given: no copies)."""
-
-        @staticmethod
-        def forward(ctx, q, k, v, mask, causal, scale, fwd, bwd, cp):
-            ctx._random_case_bwd = bwd
-            return fwd(ctx, q, k, v, mask, 0.0, causal, scale, False, False, _save_ctx=True, _parallel_config=cp)
-
-        @staticmethod
-        def backward(ctx, grad):
-            dq, dk, dv = ctx._random_case_bwd(ctx, grad)[:3]
-            return dq, dk, dv, None, None, None, None, None, None
-
-    return Pair
-
-
 def _context_alive(torch: Any, device: Any) -> tuple[bool, str]:
     if device.type != "cuda":
         return True, ""
@@ -397,7 +380,6 @@ def worker(args: argparse.Namespace) -> None:
             _world_size=2, ring_degree=1, ulysses_degree=2, _ulysses_mesh=None, ulysses_anything=False
         )
     )
-    Pair = _pair_function(torch)
     ops = {
         "cudnn": (module._cudnn_attention_forward_op, module._cudnn_attention_backward_op),
         "flash": (
@@ -410,9 +392,7 @@ def worker(args: argparse.Namespace) -> None:
         if str(case["id"]) == os.environ.get("DCF_RANDOM_SELFTEST_CRASH"):  # tests the parent's restart path
             os.abort()
         faulthandler.dump_traceback_later(args.case_timeout, exit=True)
-        result = run_case(
-            case, torch, module, device, ops, Pair, pair_cp, ulysses_cp, factor, slack, UnsafeAttentionError
-        )
+        result = run_case(case, torch, module, device, ops, pair_cp, ulysses_cp, factor, slack, UnsafeAttentionError)
         faulthandler.cancel_dump_traceback_later()
         print("RESULT " + json.dumps(result, default=str), flush=True)
         if result.get("context_dead"):
@@ -421,7 +401,9 @@ def worker(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
-def run_case(case, torch, module, device, ops, Pair, pair_cp, ulysses_cp, factor, slack, UnsafeAttentionError):
+def run_case(case, torch, module, device, ops, pair_cp, ulysses_cp, factor, slack, UnsafeAttentionError):
+    from harness import op_pair, ulysses_attention  # tests/, on the worker's path
+
     start = time.perf_counter()
     result: dict[str, Any] = {"id": case["id"]}
     try:
@@ -452,12 +434,14 @@ def run_case(case, torch, module, device, ops, Pair, pair_cp, ulysses_cp, factor
         if case["dtype"] == "mixed" and len(leaves32) != 3:
             k, v = k.to(dk_t), v.to(dv_t)
 
+        flags = {"is_causal": case["causal"], "scale": case["scale"]}
+        # The op pair driven as TemplatedUlyssesAttention drives it (inputs as given: no copies).
+        pair = op_pair(fwd, bwd, **flags, parallel_config=pair_cp, inputs="as_given")
+
         def call(q: Any, k: Any, v: Any, mask: Any) -> Any:
             if case["path"].endswith("_pair"):
-                return Pair.apply(q, k, v, mask, case["causal"], case["scale"], fwd, bwd, pair_cp)
-            return module.TemplatedUlyssesAttention.apply(
-                q, k, v, mask, 0.0, case["causal"], case["scale"], False, False, fwd, bwd, ulysses_cp
-            )
+                return pair.apply(q, k, v, mask)
+            return ulysses_attention(module, q, k, v, mask, **flags, forward_op=fwd, backward_op=bwd, config=ulysses_cp)
 
         stack = case.get("stack", "eager")
         if stack == "compiled":

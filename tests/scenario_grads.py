@@ -21,6 +21,8 @@ import sys
 import types
 from typing import Any
 
+from harness import op_pair, pair_config
+
 #: (name, B, S_q, S_kv, H, D). num_heads == seq_len is where no shape check can catch a transposition.
 CASES = (
     ("heads_eq_seq", 2, 16, 16, 16, 64),
@@ -109,41 +111,14 @@ def run_case(
         attn_mask = keep
     elif mask == "float32":
         attn_mask = torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))
-    parallel_config = types.SimpleNamespace(
-        context_parallel_config=types.SimpleNamespace(_world_size=2, ring_degree=1, ulysses_degree=2)
+    # What TemplatedUlyssesAttention does around the ops, minus the all-to-alls: fresh tensors, as after the
+    # all-to-all (requires_grad is False on what reaches the op), a config of world size 2.
+    pair = op_pair(
+        getattr(module, fwd_name), getattr(module, bwd_name), return_lse=return_lse, parallel_config=pair_config()
     )
-
-    class Harness(torch.autograd.Function):
-        """What TemplatedUlyssesAttention does around the ops, minus the all-to-alls."""
-
-        @staticmethod
-        def forward(ctx, query, key, value):
-            # Fresh tensors, as after the all-to-all: requires_grad is False on what reaches the op.
-            query, key, value = (x.clone() for x in (query, key, value))
-            out = getattr(module, fwd_name)(
-                ctx,
-                query,
-                key,
-                value,
-                attn_mask,
-                0.0,
-                False,
-                None,
-                False,
-                return_lse,
-                _save_ctx=True,
-                _parallel_config=parallel_config,
-            )
-            return out[0] if return_lse else out
-
-        @staticmethod
-        def backward(ctx, grad):
-            grads = getattr(module, bwd_name)(ctx, grad)
-            return grads[0], grads[1], grads[2]
-
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     try:
-        out = Harness.apply(*leaves)
+        out = pair.apply(*leaves, attn_mask)
         out.backward(grad_out)
     except Exception as exc:
         return {"status": "raised", "error": f"{type(exc).__name__}: {str(exc)[:300]}"}

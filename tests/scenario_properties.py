@@ -89,6 +89,8 @@ import warnings
 from collections import Counter
 from typing import Any
 
+from harness import op_pair, pair_config, ring_attention, ulysses_attention, ulysses_config
+
 BACKENDS = {
     "cudnn": ("_cudnn_attention_forward_op", "_cudnn_attention_backward_op"),
     "flash": ("_native_flash_attention_forward_op", "_native_flash_attention_backward_op"),
@@ -533,45 +535,23 @@ class Runner:
 
     def forward(self, ex: dict[str, Any], leaves: list[Any], mask: Any) -> tuple[Any, Any]:
         """One attention call as diffusers makes it; returns (out, lse or None)."""
-        import torch
-
         module = self.module
         fwd_name, bwd_name = BACKENDS[ex["backend"]]
         fwd, bwd = getattr(module, fwd_name), getattr(module, bwd_name)
-        args = (mask, 0.0, ex["is_causal"], ex["scale"], ex["enable_gqa"], ex["return_lse"])
+        flags = {
+            "is_causal": ex["is_causal"],
+            "scale": ex["scale"],
+            "enable_gqa": ex["enable_gqa"],
+            "return_lse": ex["return_lse"],
+        }
         if ex["path"] == "pair":
-            config = types.SimpleNamespace(
-                context_parallel_config=types.SimpleNamespace(_world_size=2, ring_degree=1, ulysses_degree=2)
-            )
-            return_lse = ex["return_lse"]
-
-            class Harness(torch.autograd.Function):
-                """What TemplatedUlyssesAttention does around the ops, minus the all-to-alls (the inputs
-                reach the op as fresh tensors that do not require grad, in the caller's layout)."""
-
-                @staticmethod
-                def forward(ctx, query, key, value):
-                    query, key, value = (x.detach() for x in (query, key, value))
-                    out = fwd(ctx, query, key, value, *args, _save_ctx=True, _parallel_config=config)
-                    if return_lse:
-                        out, lse = out[0], out[1]
-                        ctx.mark_non_differentiable(lse)
-                        return out, lse
-                    return out
-
-                @staticmethod
-                def backward(ctx, grad, *unused):
-                    grads = bwd(ctx, grad)
-                    return grads[0], grads[1], grads[2]
-
-            result = Harness.apply(*leaves)
+            # What TemplatedUlyssesAttention does around the ops, minus the all-to-alls (the inputs reach the op
+            # as fresh tensors that do not require grad, in the caller's layout).
+            pair = op_pair(fwd, bwd, **flags, keep_lse=True, parallel_config=pair_config(), inputs="detach")
+            result = pair.apply(*leaves, mask)
         elif ex["path"] == "ulysses":
-            config = types.SimpleNamespace(
-                context_parallel_config=types.SimpleNamespace(
-                    _ulysses_mesh=self.mesh, ulysses_degree=1, ring_degree=1, _world_size=2, ulysses_anything=False
-                )
-            )
-            result = module.TemplatedUlyssesAttention.apply(*leaves, *args, fwd, bwd, config)
+            config = ulysses_config(self.mesh)
+            result = ulysses_attention(module, *leaves, mask, **flags, forward_op=fwd, backward_op=bwd, config=config)
         else:
             config = types.SimpleNamespace(
                 context_parallel_config=types.SimpleNamespace(
@@ -585,7 +565,7 @@ class Runner:
                     ulysses_anything=False,
                 )
             )
-            result = module.TemplatedRingAttention.apply(*leaves, *args, fwd, bwd, config)
+            result = ring_attention(module, *leaves, mask, **flags, forward_op=fwd, backward_op=bwd, config=config)
         if ex["return_lse"]:
             return result[0], result[1]
         return result, None

@@ -20,6 +20,7 @@ import tempfile
 import types
 from typing import Any
 
+from harness import ulysses_attention, ulysses_config
 from scenario_grads import BACKENDS, CASES, import_in_order, passes
 
 ULYSSES_CASES = tuple(case for case in CASES if case[2] == case[3])
@@ -46,25 +47,11 @@ def run_case(module: types.ModuleType, mesh: Any, backend: str, case: tuple, ret
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch, s, heads, dim, generator=gen).to(torch.bfloat16) for s in (seq_q, seq_kv, seq_kv))
     grad_out = torch.randn(batch, seq_q, heads, dim, generator=gen).to(torch.bfloat16)
-    config = types.SimpleNamespace(
-        context_parallel_config=types.SimpleNamespace(
-            _ulysses_mesh=mesh, ulysses_degree=1, ring_degree=1, _world_size=2, ulysses_anything=False
-        )
-    )
+    config = ulysses_config(mesh)
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     try:
-        out = module.TemplatedUlyssesAttention.apply(
-            *leaves,
-            None,
-            0.0,
-            False,
-            None,
-            False,
-            return_lse,
-            getattr(module, fwd_name),
-            getattr(module, bwd_name),
-            config,
-        )
+        fwd, bwd = getattr(module, fwd_name), getattr(module, bwd_name)
+        out = ulysses_attention(module, *leaves, return_lse=return_lse, forward_op=fwd, backward_op=bwd, config=config)
         if return_lse:
             out = out[0]
         out.backward(grad_out)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import scenario_grads
 import scenario_ring
+from harness import op_pair, pair_config, stand_in_collectives, ulysses_attention, ulysses_config
 from releases import ROOT, release_dir, run
 
 import diffusers_cudnn_fix
@@ -49,34 +50,10 @@ def _forward(module, *, dtypes=("bfloat16", "bfloat16", "bfloat16"), mask=None, 
         torch.randn(batch, s, heads, dim, generator=gen).to(getattr(torch, dt))
         for s, dt in zip((seq_q, seq_kv, seq_kv), dtypes)
     )
-    parallel_config = types.SimpleNamespace(
-        context_parallel_config=types.SimpleNamespace(_world_size=2, ring_degree=1, ulysses_degree=2)
+    pair = op_pair(
+        module._cudnn_attention_forward_op, module._cudnn_attention_backward_op, parallel_config=pair_config()
     )
-
-    class Harness(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, query, key, value):
-            query, key, value = (x.clone() for x in (query, key, value))
-            return module._cudnn_attention_forward_op(
-                ctx,
-                query,
-                key,
-                value,
-                mask,
-                0.0,
-                False,
-                None,
-                False,
-                False,
-                _save_ctx=True,
-                _parallel_config=parallel_config,
-            )
-
-        @staticmethod
-        def backward(ctx, grad):
-            return module._cudnn_attention_backward_op(ctx, grad)[:3]
-
-    return Harness.apply(q, k, v)
+    return pair.apply(q, k, v, mask)
 
 
 def _keep_mask(case=MASK_CASES[0]):
@@ -402,26 +379,11 @@ def _ulysses(module, monkeypatch, mask, *, grad: bool = True):
     """diffusers' own ``TemplatedUlyssesAttention`` at Ulysses degree 1 (collectives stood in), cuDNN ops."""
     import torch
 
-    monkeypatch.setattr(module, "_all_to_all_single", lambda x, group=None: x)
-
-    def all_gather(out, tensor, group=None):
-        for part in out:
-            part.copy_(tensor)
-
-    monkeypatch.setattr(module, "dist", types.SimpleNamespace(all_gather=all_gather))
-    mesh = types.SimpleNamespace(get_group=lambda: None)
-    config = types.SimpleNamespace(
-        context_parallel_config=types.SimpleNamespace(
-            _ulysses_mesh=mesh, ulysses_degree=1, ring_degree=1, _world_size=2, convert_to_fp32=False
-        )
-    )
+    config = ulysses_config(stand_in_collectives(module, monkeypatch), convert_to_fp32=False)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 8, 2, 16, generator=gen).to(torch.bfloat16).requires_grad_(True) for _ in range(3))
     with torch.set_grad_enabled(grad):
-        out = module.TemplatedUlyssesAttention.apply(
-            q, k, v, mask, 0.0, False, None, False, False,
-            module._cudnn_attention_forward_op, module._cudnn_attention_backward_op, config,
-        )  # fmt: skip
+        out = ulysses_attention(module, q, k, v, mask, config=config)
         if grad:
             out.float().sum().backward()
     return out
@@ -573,25 +535,9 @@ def _one_key_pair(module, backward_op, mask, *, seq_q: int = 5, dtype: str = "bf
     q = torch.randn(2, seq_q, 3, 8, generator=gen).to(getattr(torch, dtype))
     k, v = (torch.randn(2, 1, 3, 8, generator=gen).to(q.dtype) for _ in range(2))
     grad_out = torch.randn(2, seq_q, 3, 8, generator=gen).to(q.dtype)
-    parallel_config = types.SimpleNamespace(
-        context_parallel_config=types.SimpleNamespace(_world_size=2, ring_degree=1, ulysses_degree=2)
-    )
-
-    class Harness(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, query, key, value):
-            query, key, value = (x.clone() for x in (query, key, value))
-            return module._cudnn_attention_forward_op(
-                ctx, query, key, value, mask, 0.0, False, None, False, False,
-                _save_ctx=True, _parallel_config=parallel_config,
-            )  # fmt: skip
-
-        @staticmethod
-        def backward(ctx, grad):
-            return backward_op(ctx, grad)[:3]
-
+    pair = op_pair(module._cudnn_attention_forward_op, backward_op, parallel_config=pair_config())
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    out = Harness.apply(*leaves)
+    out = pair.apply(*leaves, mask)
     out.backward(grad_out)
     got = [out.detach(), *(x.grad for x in leaves)]
     ref_leaves = [x.detach().float().transpose(1, 2).requires_grad_(True) for x in (q, k, v)]
