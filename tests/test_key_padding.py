@@ -18,7 +18,7 @@ from harness import stand_in_collectives, ulysses_attention, ulysses_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from releases import release_dir, run
-from scenario_key_padding import (
+from subprocess_key_padding import (
     CASES,
     MASK_KINDS,
     MASK_SHAPES,
@@ -206,7 +206,7 @@ def test_random_masks_equal_the_biased_path(patched, case) -> None:
 def test_diffusers_own_ops_on_0_42_1() -> None:
     """0.40+: diffusers' own forward / backward ops behind the package's wrappers get the trimmed K/V, and the
     backward wrapper scatters the gradients back."""
-    results = run(release_dir("0.42.1"), "import scenario_key_padding as s; s.main_cases()", preloaded=True)
+    results = run(release_dir("0.42.1"), "import subprocess_key_padding as s; s.main_cases()", preloaded=True)
     results.pop("_stderr")
     assert set(results) == {case[0] for case in CASES}
     for name, result in results.items():

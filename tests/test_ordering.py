@@ -42,16 +42,16 @@ standins = []
 
 
 def grads(module):
-    import scenario_grads
+    import subprocess_op_pair_grads
     if not standins:
         import standin_kernels
         standin_kernels.register()
         standins.append(True)
-    case = scenario_grads.CASES[0]  # num_heads == seq_len: no shape check can catch a transposition
+    case = subprocess_op_pair_grads.CASES[0]  # num_heads == seq_len: no shape check can catch a transposition
     out = {{}}
     # return_lse=False is the training path (0.39.0's shipped forward saves no log-sum-exp there).
-    out["cudnn"] = scenario_grads.run_case(module, "cudnn", case, False)
-    out["fp32"] = scenario_grads.run_case(module, "cudnn", case, True, dtype="float32")
+    out["cudnn"] = subprocess_op_pair_grads.run_case(module, "cudnn", case, False)
+    out["fp32"] = subprocess_op_pair_grads.run_case(module, "cudnn", case, True, dtype="float32")
     return {{k: {{"status": v["status"], "error": v.get("error", "")}} for k, v in out.items()}}
 
 

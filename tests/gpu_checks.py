@@ -1,6 +1,6 @@
 """GPU checks of one diffusers release, run in a fresh interpreter by ``test_gpu.py`` (marker ``gpu``).
 
-    python -c "import scenario_gpu; scenario_gpu.main()"
+    python -c "import gpu_checks; gpu_checks.main()"
 
 With the package imported first, on the CUDA device:
 
@@ -10,7 +10,7 @@ With the package imported first, on the CUDA device:
 * a bool mask with masked columns and one fully masked row (B=1 S=64 H=2 D=64) through the cuDNN CP op in
   each mask mode, and converted with -65504 (F.sdpa's own fill) for comparison, against fp32
   ``F.scaled_dot_product_attention`` on the math backend with the bool mask;
-* ``TemplatedRingAttention`` with 2, 3 and 4 ring chunks on the one GPU (``scenario_ring``: a thread per ring
+* ``TemplatedRingAttention`` with 2, 3 and 4 ring chunks on the one GPU (``threaded_ring``: a thread per ring
   rank), as installed and, where the package replaced it, as shipped.
 
 Prints one JSON line.
@@ -229,11 +229,11 @@ RING_WORLDS = (2, 3, 4)
 
 def ring_chunks() -> dict[str, Any]:
     """``TemplatedRingAttention`` with 2, 3 and 4 ring chunks on this one GPU (one thread per ring rank,
-    ``scenario_ring``), cuDNN and flash ops, as installed (corrected where the package replaced the ring) and,
+    ``threaded_ring``), cuDNN and flash ops, as installed (corrected where the package replaced the ring) and,
     where it did, diffusers' own ring forward/backward with the same ops (the control). Each case is also
     judged by the probe's rule (``rule_passed``: every max-abs error within 5x that of the same attention
     computed eagerly in bf16, + 1e-3, against fp32)."""
-    import scenario_ring
+    import threaded_ring
 
     diffusers_cudnn_fix.apply()
     shipped = {
@@ -250,19 +250,19 @@ def ring_chunks() -> dict[str, Any]:
         return result
 
     results: dict[str, Any] = {}
-    for backend, (_, backward_name) in scenario_ring.BACKEND_OPS.items():
+    for backend, (_, backward_name) in threaded_ring.BACKEND_OPS.items():
         if backend == "native" or not hasattr(module, backward_name):
             continue
         for world in RING_WORLDS:
             results[f"{backend}/world={world}"] = judged(
-                scenario_ring.run(module, backend, world, device="cuda", bf16_yardstick=True)
+                threaded_ring.run(module, backend, world, device="cuda", bf16_yardstick=True)
             )
             if shipped:
                 # diffusers' own ring as it shipped: the package's corrected forward/backward (<= 0.39, and
                 # ring_grad_route's on 0.40+) replaced by the originals.
                 control = {f"ring_{name}": function for name, function in shipped.items()}
                 results[f"{backend}/world={world}/shipped ring"] = judged(
-                    scenario_ring.run(module, backend, world, device="cuda", bf16_yardstick=True, **control)
+                    threaded_ring.run(module, backend, world, device="cuda", bf16_yardstick=True, **control)
                 )
     return {"ring_patched": "forward" in shipped, "ring_replaced": sorted(shipped), "cases": results}
 

@@ -2,8 +2,8 @@
 
 Run in a fresh interpreter whose ``PYTHONPATH`` starts with one diffusers release (``releases.run`` does it)::
 
-    python -c "import scenario_compile as s; s.main('diffusers_first', ('eager', 'aot_eager', 'inductor'))"
-    python -c "import scenario_compile as s; s.main('package_first', s.GPU_BACKENDS, device='cuda')"
+    python -c "import subprocess_compile_matrix as s; s.main('diffusers_first', ('eager', 'aot_eager', 'inductor'))"
+    python -c "import subprocess_compile_matrix as s; s.main('package_first', s.GPU_BACKENDS, device='cuda')"
 
 Imports diffusers and the package in ``order`` (``"none"``: the package is never imported, the control),
 registers the stand-in kernels (on CPU; on ``device="cuda"`` the real kernels run, over NCCL), joins a
@@ -34,7 +34,7 @@ import types
 from typing import Any
 
 from harness import op_pair, ulysses_attention, ulysses_config
-from scenario_grads import import_in_order, passes
+from subprocess_op_pair_grads import import_in_order, passes
 
 #: (B, S, H, D) per device: the GPU's is the shape the compile bug was measured at.
 SHAPES = {"cpu": (2, 32, 4, 32), "cuda": (2, 256, 8, 64)}

@@ -2,8 +2,8 @@
 
 Run in a fresh interpreter by the release-matrix tests, one per release and import order::
 
-    python -c "import scenario_grads; scenario_grads.main('package_first', ulysses=True)"
-    python -c "import scenario_grads; scenario_grads.main('diffusers_first', control=True, ulysses=True)"
+    python -c "import subprocess_op_pair_grads as s; s.main('package_first', ulysses=True)"
+    python -c "import subprocess_op_pair_grads as s; s.main('diffusers_first', control=True, ulysses=True)"
 
 (the second runs the control, diffusers as shipped, before it imports the package: see ``main``).
 It imports diffusers and (unless ``order == 'none'``) this package in the given order, registers the CPU
@@ -177,9 +177,9 @@ def _phase(module: types.ModuleType, ulysses: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"package_loaded": package is not None, "imported_first": imported_first()}
     out["cases"] = run_cases(module)
     if ulysses:
-        import scenario_ulysses
+        import subprocess_ulysses_grads
 
-        out["ulysses"] = scenario_ulysses.run_cases(module)
+        out["ulysses"] = subprocess_ulysses_grads.run_cases(module)
     out["status"] = None if package is None else package.status().to_dict()
     return out
 
@@ -187,7 +187,7 @@ def _phase(module: types.ModuleType, ulysses: bool) -> dict[str, Any]:
 def main(order: str, *, control: bool = False, ulysses: bool = False) -> None:
     """Print one JSON line: the release, ``order``, ``status`` (None without the package) and ``cases``.
 
-    ``ulysses``: the same cases through diffusers' TemplatedUlyssesAttention too (``scenario_ulysses``),
+    ``ulysses``: the same cases through diffusers' TemplatedUlyssesAttention too (``subprocess_ulysses_grads``),
     under ``ulysses``. ``control`` (``order="diffusers_first"`` only): diffusers is imported, then every
     case runs on the ops as shipped, with the package not imported yet, under ``control``; only then is the
     package imported (its hook patching the module already loaded) and the cases run again. One

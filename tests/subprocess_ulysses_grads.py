@@ -2,13 +2,13 @@
 
 Run in a fresh interpreter::
 
-    python -c "import scenario_ulysses; scenario_ulysses.main('package_first')"
+    python -c "import subprocess_ulysses_grads; subprocess_ulysses_grads.main('package_first')"
 
 World size 1 is the most one process can drive: the all-to-alls run (over gloo, on CPU) but move nothing.
 S_q != S_kv is left out: diffusers' Ulysses backward reshapes the K/V gradients with the query's sequence
 length on every release (self-attention only), so that case fails with or without any fix.
 The context-parallel config says ``_world_size=2`` as in a two-rank training run, which is what diffusers'
-ops read to decide whether a backward may follow. Prints one JSON line like ``scenario_grads``.
+ops read to decide whether a backward may follow. Prints one JSON line like ``subprocess_op_pair_grads``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import types
 from typing import Any
 
 from harness import ulysses_attention, ulysses_config
-from scenario_grads import BACKENDS, CASES, import_in_order, passes
+from subprocess_op_pair_grads import BACKENDS, CASES, import_in_order, passes
 
 ULYSSES_CASES = tuple(case for case in CASES if case[2] == case[3])
 

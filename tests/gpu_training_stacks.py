@@ -3,8 +3,8 @@ templated Ulysses attention and the cuDNN context-parallel ops, forward + backwa
 autocast and with gradient checkpointing, each against the one-process fp32 reference. Run in a fresh
 interpreter with one diffusers release first on the path (``test_gpu.py`` does it, marker ``gpu``)::
 
-    python -c "import scenario_gpu_stacks as s; s.main()"                 # CUDA: NCCL group, inductor
-    python -c "import scenario_gpu_stacks as s; s.main(device='cpu')"     # CPU: gloo, the stand-in kernels
+    python -c "import gpu_training_stacks as s; s.main()"                 # CUDA: NCCL group, inductor
+    python -c "import gpu_training_stacks as s; s.main(device='cpu')"     # CPU: gloo, the stand-in kernels
 
 Why not ``enable_parallelism``: diffusers refuses a context-parallel config with both degrees 1
 (``ContextParallelConfig.__post_init__``) and one whose degrees multiply to more than the world size

@@ -1,7 +1,7 @@
 """One launch-order case on a CUDA GPU, run in a fresh interpreter by ``test_gpu.py`` (marker ``gpu``).
 
-    python tests/scenario_launch.py --order package_first|diffusers_first --cuda cold|cuda|nccl|torchrun
-    torchrun --standalone --nproc-per-node 1 tests/scenario_launch.py --order package_first --cuda torchrun
+    python tests/gpu_launch_order.py --order package_first|diffusers_first --cuda cold|cuda|nccl|torchrun
+    torchrun --standalone --nproc-per-node 1 tests/gpu_launch_order.py --order package_first --cuda torchrun
 
 The release under test is whichever diffusers is first on ``PYTHONPATH``. Steps, each timed:
 

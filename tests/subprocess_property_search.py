@@ -3,8 +3,8 @@
 Run in a fresh interpreter, one diffusers release first on the path (``tests/test_properties.py`` does it
 through ``releases.run``)::
 
-    python -c "import scenario_properties; scenario_properties.main('package')"   # with diffusers_cudnn_fix
-    python -c "import scenario_properties; scenario_properties.main('none')"      # diffusers as shipped
+    python -c "import subprocess_property_search as s; s.main('package')"   # with diffusers_cudnn_fix
+    python -c "import subprocess_property_search as s; s.main('none')"      # diffusers as shipped
 
 The property, for every example the search draws: diffusers' attention either gives the right answer
 (output, log-sum-exp when asked for, the gradients of q/k/v and of a mask that requires grad, all against a
@@ -21,7 +21,7 @@ What is searched (``examples``):
 * shapes: B 1-2, H == S or free S_q/S_kv (1-9), grouped K/V heads (H_kv | H_q), D 4/8/16. The Ulysses path
   draws self-attention with H_kv == H_q only: diffusers' Ulysses reshapes K/V (forward) and their gradients
   (backward) with the query's heads and sequence length on every release, so anything else fails in a
-  reshape with or without this package (see scenario_ulysses.py); that is outside the package's contract.
+  reshape with or without this package (see subprocess_ulysses_grads.py); that is outside the package's contract.
 * dtypes: q/k/v all bf16, all fp16, all fp32, or each drawn on its own (mixed).
 * masks (cuDNN only: diffusers' native-flash backend raises ``attn_mask is not supported`` before the op):
   none, bool, integer (int64/int32/uint8 0/1), floating point of q's dtype or of bf16/fp16/fp32, with
@@ -45,7 +45,7 @@ row gives 0); a float mask is added to the scores; an integer mask, if it is not
 ``mask != 0``. A value passes when its max-abs error is within
 ``max(5 x the error of the same attention computed eagerly (math SDPA) in the inputs' least precise dtype,
 3 x the error of a right fused kernel that stores ``out`` in that dtype (``kernel_style``), 1% of its
-magnitude, 1e-5)`` (PyTorch's fused-attention rule, with scenario_grads.py's floor); the log-sum-exp within
+magnitude, 1e-5)`` (PyTorch's fused-attention rule, with subprocess_op_pair_grads.py's floor); the log-sum-exp within
 ``1e-3 + 1% of its magnitude``, and one whose shape differs from (B, S_q, H) only by size-1 dims is compared
 by value; NaN fails.
 
@@ -842,7 +842,7 @@ def main(mode: str = "package") -> None:
     import diffusers
     import diffusers.models.attention_dispatch as module
     import standin_kernels
-    from scenario_ulysses import _init_gloo
+    from subprocess_ulysses_grads import _init_gloo
 
     standin_kernels.register()
     mesh = _init_gloo()
