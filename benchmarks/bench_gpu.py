@@ -43,7 +43,6 @@ import json
 import statistics
 import sys
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,13 +50,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from harness import op_pair  # noqa: E402
+from harness import op_pair, pair_config  # noqa: E402
 from releases import release_dir  # noqa: E402
 
 SHAPES = ((1, 4096, 24, 128), (2, 1024, 16, 64))
-CP = types.SimpleNamespace(
-    context_parallel_config=types.SimpleNamespace(_world_size=2, ring_degree=1, ulysses_degree=2)
-)
+CP = pair_config()
 
 
 class Ctx:

@@ -55,7 +55,6 @@ import sys
 import tempfile
 import time
 import traceback
-import types
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -328,6 +327,7 @@ def worker(args: argparse.Namespace) -> None:
         os.environ["DIFFUSERS_CUDNN_FIX"] = "0"
     import diffusers.models.attention_dispatch as module
     import torch
+    from harness import pair_config, ulysses_config
 
     import diffusers_cudnn_fix
     from diffusers_cudnn_fix import UnsafeAttentionError, _probe
@@ -370,16 +370,8 @@ def worker(args: argparse.Namespace) -> None:
             "nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store.name}", rank=0, world_size=1
         )
         mesh = init_device_mesh(device.type, (1,))
-    ulysses_cp = types.SimpleNamespace(
-        context_parallel_config=types.SimpleNamespace(
-            _ulysses_mesh=mesh, ulysses_degree=1, ring_degree=1, _world_size=2, ulysses_anything=False
-        )
-    )
-    pair_cp = types.SimpleNamespace(
-        context_parallel_config=types.SimpleNamespace(
-            _world_size=2, ring_degree=1, ulysses_degree=2, _ulysses_mesh=None, ulysses_anything=False
-        )
-    )
+    ulysses_cp = ulysses_config(mesh)
+    pair_cp = pair_config(_ulysses_mesh=None, ulysses_anything=False)
     ops = {
         "cudnn": (module._cudnn_attention_forward_op, module._cudnn_attention_backward_op),
         "flash": (
