@@ -43,7 +43,6 @@ import json
 import statistics
 import sys
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,12 +50,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from harness import op_pair, pair_config  # noqa: E402
 from releases import release_dir  # noqa: E402
 
 SHAPES = ((1, 4096, 24, 128), (2, 1024, 16, 64))
-CP = types.SimpleNamespace(
-    context_parallel_config=types.SimpleNamespace(_world_size=2, ring_degree=1, ulysses_degree=2)
-)
+CP = pair_config()
 
 
 class Ctx:
@@ -261,16 +259,11 @@ def keypad_section(
     _, seq, heads, dim = shape
     fwd, bwd = module._cudnn_attention_forward_op, module._cudnn_attention_backward_op  # as installed
 
-    class Pair(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, q: Any, k: Any, v: Any, mask: Any, restoring: bool) -> Any:
-            if restoring:  # as diffusers' templated classes do before calling the forward op
-                ctx.backward_op = bwd
-            return fwd(ctx, q, k, v, mask, 0.0, False, None, False, False, _save_ctx=True, _parallel_config=CP)
-
-        @staticmethod
-        def backward(ctx: Any, grad: Any) -> Any:
-            return (*bwd(ctx, grad)[:3], None, None)
+    # restoring: ctx.backward_op set before the forward op runs, as diffusers' templated classes do.
+    pairs = {
+        restoring: op_pair(fwd, bwd, parallel_config=CP, inputs="as_given", set_backward_op=restoring)
+        for restoring in (True, False)
+    }
 
     def tensors(batch: int) -> list[Any]:
         gen = torch.Generator(device=dev).manual_seed(batch)
@@ -297,7 +290,7 @@ def keypad_section(
         q, k, v, g = inputs[batch]
 
         def step() -> Any:
-            out = Pair.apply(q, k, v, mask, restoring)
+            out = pairs[restoring].apply(q, k, v, mask)
             return out, torch.autograd.grad(out, (q, k, v), g)
 
         return step
@@ -306,7 +299,7 @@ def keypad_section(
         q, k, v, g = inputs[1]
 
         def step() -> Any:
-            out = Pair.apply(q, k[:, :count], v[:, :count], None, True)
+            out = pairs[True].apply(q, k[:, :count], v[:, :count], None)
             return out, torch.autograd.grad(out, (q, k, v), g)
 
         return step

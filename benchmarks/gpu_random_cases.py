@@ -55,7 +55,6 @@ import sys
 import tempfile
 import time
 import traceback
-import types
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -307,23 +306,6 @@ def _eager(
 # --- the worker --------------------------------------------------------------------------------------------
 
 
-def _pair_function(torch: Any) -> Any:
-    class Pair(torch.autograd.Function):
-        """An op pair driven as TemplatedUlyssesAttention drives it (inputs as given: no copies)."""
-
-        @staticmethod
-        def forward(ctx, q, k, v, mask, causal, scale, fwd, bwd, cp):
-            ctx._random_case_bwd = bwd
-            return fwd(ctx, q, k, v, mask, 0.0, causal, scale, False, False, _save_ctx=True, _parallel_config=cp)
-
-        @staticmethod
-        def backward(ctx, grad):
-            dq, dk, dv = ctx._random_case_bwd(ctx, grad)[:3]
-            return dq, dk, dv, None, None, None, None, None, None
-
-    return Pair
-
-
 def _context_alive(torch: Any, device: Any) -> tuple[bool, str]:
     if device.type != "cuda":
         return True, ""
@@ -345,6 +327,7 @@ def worker(args: argparse.Namespace) -> None:
         os.environ["DIFFUSERS_CUDNN_FIX"] = "0"
     import diffusers.models.attention_dispatch as module
     import torch
+    from harness import pair_config, ulysses_config
 
     import diffusers_cudnn_fix
     from diffusers_cudnn_fix import UnsafeAttentionError, _probe
@@ -387,17 +370,8 @@ def worker(args: argparse.Namespace) -> None:
             "nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store.name}", rank=0, world_size=1
         )
         mesh = init_device_mesh(device.type, (1,))
-    ulysses_cp = types.SimpleNamespace(
-        context_parallel_config=types.SimpleNamespace(
-            _ulysses_mesh=mesh, ulysses_degree=1, ring_degree=1, _world_size=2, ulysses_anything=False
-        )
-    )
-    pair_cp = types.SimpleNamespace(
-        context_parallel_config=types.SimpleNamespace(
-            _world_size=2, ring_degree=1, ulysses_degree=2, _ulysses_mesh=None, ulysses_anything=False
-        )
-    )
-    Pair = _pair_function(torch)
+    ulysses_cp = ulysses_config(mesh)
+    pair_cp = pair_config(_ulysses_mesh=None, ulysses_anything=False)
     ops = {
         "cudnn": (module._cudnn_attention_forward_op, module._cudnn_attention_backward_op),
         "flash": (
@@ -410,9 +384,7 @@ def worker(args: argparse.Namespace) -> None:
         if str(case["id"]) == os.environ.get("DCF_RANDOM_SELFTEST_CRASH"):  # tests the parent's restart path
             os.abort()
         faulthandler.dump_traceback_later(args.case_timeout, exit=True)
-        result = run_case(
-            case, torch, module, device, ops, Pair, pair_cp, ulysses_cp, factor, slack, UnsafeAttentionError
-        )
+        result = run_case(case, torch, module, device, ops, pair_cp, ulysses_cp, factor, slack, UnsafeAttentionError)
         faulthandler.cancel_dump_traceback_later()
         print("RESULT " + json.dumps(result, default=str), flush=True)
         if result.get("context_dead"):
@@ -421,7 +393,9 @@ def worker(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
-def run_case(case, torch, module, device, ops, Pair, pair_cp, ulysses_cp, factor, slack, UnsafeAttentionError):
+def run_case(case, torch, module, device, ops, pair_cp, ulysses_cp, factor, slack, UnsafeAttentionError):
+    from harness import op_pair, ulysses_attention  # tests/, on the worker's path
+
     start = time.perf_counter()
     result: dict[str, Any] = {"id": case["id"]}
     try:
@@ -452,12 +426,14 @@ def run_case(case, torch, module, device, ops, Pair, pair_cp, ulysses_cp, factor
         if case["dtype"] == "mixed" and len(leaves32) != 3:
             k, v = k.to(dk_t), v.to(dv_t)
 
+        flags = {"is_causal": case["causal"], "scale": case["scale"]}
+        # The op pair driven as TemplatedUlyssesAttention drives it (inputs as given: no copies).
+        pair = op_pair(fwd, bwd, **flags, parallel_config=pair_cp, inputs="as_given")
+
         def call(q: Any, k: Any, v: Any, mask: Any) -> Any:
             if case["path"].endswith("_pair"):
-                return Pair.apply(q, k, v, mask, case["causal"], case["scale"], fwd, bwd, pair_cp)
-            return module.TemplatedUlyssesAttention.apply(
-                q, k, v, mask, 0.0, case["causal"], case["scale"], False, False, fwd, bwd, ulysses_cp
-            )
+                return pair.apply(q, k, v, mask)
+            return ulysses_attention(module, q, k, v, mask, **flags, forward_op=fwd, backward_op=bwd, config=ulysses_cp)
 
         stack = case.get("stack", "eager")
         if stack == "compiled":

@@ -1,6 +1,6 @@
 """Every fix has what docs/adding-a-fix.md lists: a record, a module with a short docstring and a check, a policy
-in a target's replacement, a line in the test-side table, a behaviour test, and its docs. No torch needed for the
-table; the modules are read as text."""
+in a target's replacement, a line in the test-side table, a behaviour test listed in tests/README.md's index, and
+its docs. No torch needed for the table; the modules are read as text."""
 
 from __future__ import annotations
 
@@ -44,3 +44,29 @@ def test_each_fix_has_what_adding_a_fix_lists(fix) -> None:
     assert f"`{fix.id}`" in (ROOT / "docs" / "behaviour.md").read_text(), f"docs/behaviour.md misses {fix.id}"
     tests = [p for p in (ROOT / "tests").glob("test_*.py") if p.name not in ("test_adding_a_fix.py",)]
     assert any(fix.id in p.read_text() for p in tests), f"no test file names {fix.id}"
+
+
+def _tests_index() -> dict[str, list[str]]:
+    """tests/README.md's table "The tests of each fix": fix id -> the test files (``path`` or ``path::test``)."""
+    text = (ROOT / "tests" / "README.md").read_text()
+    table = text.partition("## The tests of each fix")[2]
+    rows = re.findall(r"^\| `([a-z0-9_]+)` \|(.*)\|\s*$", table, flags=re.MULTILINE)
+    return {fix: re.findall(r"`(tests/[^`]+)`", cells) for fix, cells in rows}
+
+
+def test_the_tests_index_names_every_fix_and_no_other() -> None:
+    assert sorted(_tests_index()) == sorted(IDS), "tests/README.md, 'The tests of each fix': one row per fix id"
+
+
+@pytest.mark.parametrize("fix", IDS)
+def test_each_fix_has_its_tests_in_the_index(fix: str) -> None:
+    """tests/README.md lists at least one test file for ``fix``, and every file and test it lists exists."""
+    listed = _tests_index().get(fix, [])
+    assert listed, f"tests/README.md lists no test file for {fix}"
+    for entry in listed:
+        path, _, name = entry.partition("::")
+        assert (ROOT / path).is_file(), f"{fix}: {path} does not exist"
+        if name:
+            tree = ast.parse((ROOT / path).read_text())
+            tests = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+            assert name in tests, f"{fix}: {path} has no test {name}"

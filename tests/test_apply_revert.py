@@ -8,6 +8,7 @@ import types
 
 import pytest
 from expected_fixes import CORRECTIONS, GUARDS, not_on
+from harness import op_pair
 
 import diffusers_cudnn_fix
 from diffusers_cudnn_fix import _registry
@@ -196,23 +197,12 @@ def test_replacements_trace_under_torch_compile_fullgraph(dispatch_module: types
     }[backend]
 
     def make_step():
-        class Harness(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, q, k, v):
-                q, k, v = (x.clone() for x in (q, k, v))
-                # return_lse=True: the shipped cuDNN forward then computes the log-sum-exp too, so the
-                # shipped pair runs (wrongly) rather than failing for that other bug.
-                return getattr(dispatch_module, names[0])(
-                    ctx, q, k, v, None, 0.0, False, None, False, True, _save_ctx=True, _parallel_config=None
-                )[0]
-
-            @staticmethod
-            def backward(ctx, grad):
-                dq, dk, dv = getattr(dispatch_module, names[1])(ctx, grad)[:3]
-                return dq, dk, dv
+        # return_lse=True: the shipped cuDNN forward then computes the log-sum-exp too, so the shipped pair runs
+        # (wrongly) rather than failing for that other bug.
+        pair = op_pair(getattr(dispatch_module, names[0]), getattr(dispatch_module, names[1]), return_lse=True)
 
         def step(q, k, v):
-            return Harness.apply(q, k, v)
+            return pair.apply(q, k, v, None)
 
         return step
 

@@ -1,7 +1,7 @@
 """The cuDNN context-parallel path under ``torch.compile``: every mask kind, the op pair and Ulysses, on CPU.
 
-Each release runs ``scenario_compile`` in a fresh interpreter (stand-in kernels, one-process gloo group): the same
-forward and backward not compiled, through ``aot_eager`` and through inductor (both ``fullgraph=True``), with no
+Each release runs ``subprocess_compile_matrix`` in a fresh interpreter (stand-in kernels, one-process gloo group): the
+same forward and backward not compiled, through ``aot_eager`` and through inductor (both ``fullgraph=True``), with no
 mask, bool, additive bf16 (q's dtype) and additive fp32 masks, each as a key-padding [B, 1, 1, S] and a [B, 1, S, S]
 mask, through the op pair and through diffusers' own ``TemplatedUlyssesAttention`` (which all-gathers a
 sequence-local mask from 0.39.0), and through the op pair with one head and q/k/v one element off 16 bytes (a
@@ -54,7 +54,7 @@ if os.environ.get("COMPILE_MATRIX", "").strip().lower() == "all":
     )
 #: Inductor in the test's own process (see the module's docstring); the cache in the releases' folder.
 INDUCTOR_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
-#: Cases per path (``scenario_compile``): every mask through the op pair and Ulysses; no mask and the bool
+#: Cases per path (``subprocess_compile_matrix``): every mask through the op pair and Ulysses; no mask and the bool
 #: key-padding mask through the one-head view off 16 bytes.
 CASES_PER_PATH = {"pair": 7, "ulysses": 7, ONE_HEAD: 2}
 
@@ -72,7 +72,7 @@ def expected_cases(backends: tuple[str, ...]) -> int:
 def test_compiled_masked_attention_matches_eager(version: str, order: str, backends: tuple[str, ...]) -> None:
     result = run(
         release_dir(version),
-        f"import scenario_compile; scenario_compile.main({order!r}, {backends!r})",
+        f"import subprocess_compile_matrix; subprocess_compile_matrix.main({order!r}, {backends!r})",
         env={**INDUCTOR_ENV, "TORCHINDUCTOR_CACHE_DIR": str(release_dir(version).parent / "inductor")},
         timeout=600,
         preloaded=True,

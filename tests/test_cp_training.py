@@ -5,7 +5,7 @@ Per (release, package imported or not) one job: a launcher interpreter with the 
 ``PYTHONPATH`` (one per release, running that release's jobs one after the other) forks two rank processes,
 which train the tiny Flux with Ulysses degree 2 and then ring degree 2, then the tiny QwenImage with padded
 prompts (a bool joint attention mask reaches the cuDNN op, #14342) with Ulysses degree 2, all with the
-``_native_cudnn`` backend on the CPU stand-in kernels (``scenario_cp_training.py``). With the package, rank 0
+``_native_cudnn`` backend on the CPU stand-in kernels (``subprocess_cp_training.py``). With the package, rank 0
 imports it before diffusers and rank 1 after: both import orders in every job. With the package no mask
 switch is set: the ranks run on its default.
 Unified attention (Ulysses 2 x ring 2) runs in 4-rank jobs of its own (``unified_job``).
@@ -34,7 +34,7 @@ import os
 
 import pytest
 from releases import release_dir, run
-from scenario_cp_training import JOB_MARK, RANK_DEADLINE_S
+from subprocess_cp_training import JOB_MARK, RANK_DEADLINE_S
 
 pytestmark = pytest.mark.slow
 
@@ -103,8 +103,8 @@ KERNEL_CALLS[RING4] = 4 * ATTENTION_LAYERS
 
 JOB_TIMEOUT_S = 300  # per job: the launcher gives a job's ranks 240 s, then terminates them
 #: One launcher per release runs every job of that release the selected tests read, one after the other
-#: (``_plan``, ``scenario_cp_training.launch_many``): the interpreter start and torch's import once, not per job.
-SCRIPT = "import scenario_cp_training as s; s.launch_many({jobs!r})"
+#: (``_plan``, ``subprocess_cp_training.launch_many``): the interpreter start and torch's import once, not per job.
+SCRIPT = "import subprocess_cp_training as s; s.launch_many({jobs!r})"
 
 #: (release, package imported, mask switch; ``UNIFIED`` for the 4-rank job).
 JobKey = tuple[str, bool, str | None]
@@ -132,7 +132,7 @@ def unified_job(version: str, package: bool) -> dict:
 
 
 def _launch_args(key: JobKey) -> dict:
-    """``scenario_cp_training.launch``'s arguments for the job ``key``."""
+    """``subprocess_cp_training.launch``'s arguments for the job ``key``."""
     version, package, mask = key
     if mask == UNIFIED:
         return {"package": package, "modes": (UNIFIED, *_ring4_with(version, package)), "world_size": 4}
@@ -562,7 +562,7 @@ def test_qwen_padded_prompts_without_package(version: str, record_property) -> N
 # ------------------------------------------------------------------------------------------------------------
 # Training stacks (#19): gradient checkpointing, and torch.compile of the whole parallelised transformer
 # ------------------------------------------------------------------------------------------------------------
-#: Job key of the stack cases (``scenario_cp_training.STACK_CASES``): a two-rank job of their own per
+#: Job key of the stack cases (``subprocess_cp_training.STACK_CASES``): a two-rank job of their own per
 #: (release, package), run by the release's launcher together with its other jobs.
 STACKS = "stacks"
 CKPT = ("ulysses_ckpt", "qwen_ulysses_ckpt")  # Flux / QwenImage, Ulysses 2, gradient checkpointing on

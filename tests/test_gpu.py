@@ -1,18 +1,18 @@
 """GPU checks on real cuDNN (marker ``gpu``; skipped with the reason shown where there is no such GPU).
 
-Each release runs ``scenario_gpu.py`` in a fresh interpreter. Set ``DIFFUSERS_CUDNN_FIX_RESULTS`` to a folder
+Each release runs ``gpu_checks.py`` in a fresh interpreter. Set ``DIFFUSERS_CUDNN_FIX_RESULTS`` to a folder
 to keep each release's raw JSON (``gpu-results-<version>.json``); results/ in the repository holds the ones
 quoted in the README.
 
 The launch matrix (``test_launch_order``): {package imported first, diffusers first} x {CUDA untouched before
 the imports, CUDA initialised, a one-rank NCCL group initialised} x {0.36.0, 0.39.0, 0.42.1}, plus one run
-under a real ``torchrun --nproc-per-node 1``; each case is ``scenario_launch.py`` in its own process group
+under a real ``torchrun --nproc-per-node 1``; each case is ``gpu_launch_order.py`` in its own process group
 with a timeout (``DCF_LAUNCH_TIMEOUT``, default 90 s; a case takes 10-15 s): a hang fails that case, with
 the hung process's stacks (faulthandler, 10 s before the timeout) in the failure, and the group is killed.
 The cases run side by side (``DCF_LAUNCH_JOBS``, default 8) on the one GPU. Raw JSON:
 ``launch-<version>-<order>-<state>.json``.
 
-Training stacks (``test_training_stack_*``): ``scenario_gpu_stacks.py`` per release (0.39.0, 0.42.1), a small
+Training stacks (``test_training_stack_*``): ``gpu_training_stacks.py`` per release (0.39.0, 0.42.1), a small
 QwenImage with padded prompts at world size 1 over NCCL, eager / inductor / autocast / checkpointing against
 fp32 (docs/cp-training-tests.md). Raw JSON: ``gpu-stacks-<version>.json``.
 """
@@ -42,7 +42,7 @@ CORRECTED = ("0.36.0", "0.39.0")
 @pytest.fixture(scope="module", params=RELEASES)
 def gpu_result(request) -> dict:
     version = request.param
-    result = run(release_dir(version), "import scenario_gpu; scenario_gpu.main()", timeout=480)
+    result = run(release_dir(version), "import gpu_checks; gpu_checks.main()", timeout=480)
     result.pop("_stderr", None)
     folder = os.environ.get("DIFFUSERS_CUDNN_FIX_RESULTS")
     if folder:
@@ -100,7 +100,7 @@ def test_ring_with_several_chunks_on_one_gpu(gpu_result: dict) -> None:
 def test_ring_at_degrees_3_and_4_on_040() -> None:
     """0.40.0, the first release with diffusers' own (misrouted) ring backward: only the ring cases (0.42.1 runs
     them in ``gpu_result``)."""
-    result = run(release_dir("0.40.0"), "import scenario_gpu; scenario_gpu.main_ring()", timeout=240)
+    result = run(release_dir("0.40.0"), "import gpu_checks; gpu_checks.main_ring()", timeout=240)
     result.pop("_stderr", None)
     folder = os.environ.get("DIFFUSERS_CUDNN_FIX_RESULTS")
     if folder:
@@ -158,7 +158,7 @@ def _launch(case: tuple[str, str, str]) -> dict[str, Any]:
     env["DCF_LAUNCH_TIMEOUT"] = str(LAUNCH_TIMEOUT)
     result_file = Path(tempfile.mkdtemp(prefix="dcf-launch-")) / "result.json"
     env["DCF_LAUNCH_RESULT"] = str(result_file)
-    script = [str(TESTS / "scenario_launch.py"), "--order", order, "--cuda", state]
+    script = [str(TESTS / "gpu_launch_order.py"), "--order", order, "--cuda", state]
     if state == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", *script]
     else:
@@ -261,7 +261,7 @@ STACK_MISREAD_MIN = 0.10
 @pytest.fixture(scope="module", params=STACK_RELEASES)
 def stacks_result(request) -> dict:
     version = request.param
-    result = run(release_dir(version), "import scenario_gpu_stacks as s; s.main()", timeout=420)
+    result = run(release_dir(version), "import gpu_training_stacks as s; s.main()", timeout=420)
     result.pop("_stderr", None)
     folder = os.environ.get("DIFFUSERS_CUDNN_FIX_RESULTS")
     if folder:

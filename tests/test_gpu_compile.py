@@ -1,6 +1,6 @@
 """The cuDNN context-parallel path under ``torch.compile`` on the GPU (marker ``gpu``).
 
-Each release runs ``scenario_compile`` on CUDA in a fresh interpreter (real cuDNN kernels, a one-rank NCCL
+Each release runs ``subprocess_compile_matrix`` on CUDA in a fresh interpreter (real cuDNN kernels, a one-rank NCCL
 group, bf16 B=2 S=256 H=8 D=64, the shape the compile fault was measured at): not compiled, inductor with
 ``fullgraph=True``, inductor allowing graph breaks, and ``mode="max-autotune-no-cudagraphs"``; every mask kind
 (none; bool, additive bf16, additive fp32, each key-padding [B, 1, 1, S] and [B, 1, S, S]); through the op
@@ -44,7 +44,7 @@ def compiled_cases(request) -> dict:
     version, order = request.param
     result = run(
         release_dir(version),
-        f"import scenario_compile as s; s.main({order!r}, s.GPU_BACKENDS, device='cuda')",
+        f"import subprocess_compile_matrix as s; s.main({order!r}, s.GPU_BACKENDS, device='cuda')",
         timeout=540,
     )
     result.pop("_stderr", None)

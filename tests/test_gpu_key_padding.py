@@ -1,7 +1,7 @@
 """Key-padding masks on real cuDNN (marker ``gpu``): the op on the valid keys alone against the biased path.
 
 One fresh interpreter per release (0.39.0: the package's corrected op pair; 0.42.1: diffusers' own ops behind
-the package's wrappers) runs ``scenario_key_padding.main``: the fixed cases of ``tests/test_key_padding.py`` at a
+the package's wrappers) runs ``subprocess_key_padding.main``: the fixed cases of ``tests/test_key_padding.py`` at a
 larger size and seeded random cases (B 1..3, fully padded batch elements, every mask shape, bool and additive,
 padding in the middle), each run with the fast path and on the biased path (a context whose backward op cannot scatter),
 both against an fp32 reference; the dropped keys' dK/dV must be exactly 0. Set ``DIFFUSERS_CUDNN_FIX_RESULTS``
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from releases import release_dir, run
-from scenario_key_padding import RANDOM_CASES
+from subprocess_key_padding import RANDOM_CASES
 
 pytestmark = pytest.mark.gpu
 
@@ -25,7 +25,7 @@ RELEASES = ("0.39.0", "0.42.1")
 
 @pytest.mark.parametrize("version", RELEASES)
 def test_key_padding_on_cudnn(version: str) -> None:
-    result = run(release_dir(version), "import scenario_key_padding as s; s.main()", timeout=300)
+    result = run(release_dir(version), "import subprocess_key_padding as s; s.main()", timeout=300)
     result.pop("_stderr", None)
     folder = os.environ.get("DIFFUSERS_CUDNN_FIX_RESULTS")
     if folder:

@@ -14,8 +14,9 @@ import warnings
 from pathlib import Path
 
 import pytest
-import scenario_grads
-import scenario_ring
+import subprocess_op_pair_grads
+import threaded_ring
+from harness import op_pair, pair_config, stand_in_collectives, ulysses_attention, ulysses_config
 from releases import ROOT, release_dir, run
 
 import diffusers_cudnn_fix
@@ -40,7 +41,7 @@ def mask_mode():
 
 
 def _forward(module, *, dtypes=("bfloat16", "bfloat16", "bfloat16"), mask=None, case=MASK_CASES[0]):
-    """diffusers' cuDNN CP forward op on (B, S, H, D) q/k/v of ``dtypes``, driven as in scenario_grads."""
+    """diffusers' cuDNN CP forward op on (B, S, H, D) q/k/v of ``dtypes``, driven as in subprocess_op_pair_grads."""
     import torch
 
     _, batch, seq_q, seq_kv, heads, dim = case
@@ -49,39 +50,15 @@ def _forward(module, *, dtypes=("bfloat16", "bfloat16", "bfloat16"), mask=None, 
         torch.randn(batch, s, heads, dim, generator=gen).to(getattr(torch, dt))
         for s, dt in zip((seq_q, seq_kv, seq_kv), dtypes)
     )
-    parallel_config = types.SimpleNamespace(
-        context_parallel_config=types.SimpleNamespace(_world_size=2, ring_degree=1, ulysses_degree=2)
+    pair = op_pair(
+        module._cudnn_attention_forward_op, module._cudnn_attention_backward_op, parallel_config=pair_config()
     )
-
-    class Harness(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, query, key, value):
-            query, key, value = (x.clone() for x in (query, key, value))
-            return module._cudnn_attention_forward_op(
-                ctx,
-                query,
-                key,
-                value,
-                mask,
-                0.0,
-                False,
-                None,
-                False,
-                False,
-                _save_ctx=True,
-                _parallel_config=parallel_config,
-            )
-
-        @staticmethod
-        def backward(ctx, grad):
-            return module._cudnn_attention_backward_op(ctx, grad)[:3]
-
-    return Harness.apply(q, k, v)
+    return pair.apply(q, k, v, mask)
 
 
 def _keep_mask(case=MASK_CASES[0]):
     _, batch, seq_q, seq_kv, _, _ = case
-    return scenario_grads.test_mask(batch, seq_q, seq_kv)
+    return subprocess_op_pair_grads.test_mask(batch, seq_q, seq_kv)
 
 
 @pytest.mark.parametrize("mask", ["bool", "float32"])
@@ -89,7 +66,7 @@ def _keep_mask(case=MASK_CASES[0]):
 def test_convert_mode_gives_reference_outputs_and_gradients(patched, mask_mode, case, mask: str) -> None:
     mask_mode("convert")
     for return_lse in (False, True):
-        result = scenario_grads.run_case(patched, "cudnn", case, return_lse, mask=mask)
+        result = subprocess_op_pair_grads.run_case(patched, "cudnn", case, return_lse, mask=mask)
         assert result["status"] == "pass", result
 
 
@@ -99,7 +76,7 @@ def test_masks_go_wrong_without_the_conversion(patched, mask_mode, mask: str) ->
     mask_mode("warn")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = scenario_grads.run_case(patched, "cudnn", MASK_CASES[1], False, mask=mask)
+        result = subprocess_op_pair_grads.run_case(patched, "cudnn", MASK_CASES[1], False, mask=mask)
     assert result["status"] == "wrong", result
     assert result["errors"]["out"] > 0.1
 
@@ -109,7 +86,7 @@ def test_no_mask_no_warning(patched, mask_mode) -> None:
         mask_mode(mode)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            result = scenario_grads.run_case(patched, "cudnn", MASK_CASES[0], False)
+            result = subprocess_op_pair_grads.run_case(patched, "cudnn", MASK_CASES[0], False)
         assert result["status"] == "pass", (mode, result)
         assert not [w for w in seen if issubclass(w.category, diffusers_cudnn_fix.DiffusersCudnnFixWarning)], mode
 
@@ -164,14 +141,14 @@ def test_default_mode_converts_and_each_mode_warns_once_per_process() -> None:
     result = run(
         release_dir("0.39.0"),
         """
-import json, warnings, diffusers_cudnn_fix, scenario_grads
-module = scenario_grads.import_in_order("package_first")
+import json, warnings, diffusers_cudnn_fix, subprocess_op_pair_grads as grads
+module = grads.import_in_order("package_first")
 import standin_kernels; standin_kernels.register()
 case = ("b1_s64_h2", 1, 64, 64, 2, 64)
 def go(mask):
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        statuses = [scenario_grads.run_case(module, "cudnn", case, False, mask=mask)["status"] for _ in range(3)]
+        statuses = [grads.run_case(module, "cudnn", case, False, mask=mask)["status"] for _ in range(3)]
     ours = [(w.category.__name__, str(w.message), w.filename) for w in seen
             if issubclass(w.category, diffusers_cudnn_fix.DiffusersCudnnFixWarning)]
     return {"status": statuses, "warnings": ours}
@@ -206,7 +183,7 @@ print(json.dumps(out))
 
 def test_error_mode_raises_naming_the_way_out(patched, mask_mode) -> None:
     mask_mode("error")
-    result = scenario_grads.run_case(patched, "cudnn", MASK_CASES[0], False, mask="bool")
+    result = subprocess_op_pair_grads.run_case(patched, "cudnn", MASK_CASES[0], False, mask="bool")
     assert result["status"] == "raised"
     assert "UnsafeAttentionError" in result["error"] and "DIFFUSERS_CUDNN_FIX_MASK=convert" in result["error"]
 
@@ -224,13 +201,13 @@ def test_mask_mode_from_the_environment_and_the_guards_on_a_fixed_release() -> N
     result = run(
         release_dir("0.42.1"),
         """
-import json, diffusers_cudnn_fix, scenario_grads
-module = scenario_grads.import_in_order("package_first")
+import json, diffusers_cudnn_fix, subprocess_op_pair_grads
+module = subprocess_op_pair_grads.import_in_order("package_first")
 import standin_kernels; standin_kernels.register()
-case = scenario_grads.CASES[0]
+case = subprocess_op_pair_grads.CASES[0]
 def cases():
-    out = {m: scenario_grads.run_case(module, "cudnn", case, False, mask=m) for m in ("bool", "float32")}
-    out["fp32_inputs"] = scenario_grads.run_case(module, "cudnn", case, False, dtype="float32")
+    out = {m: subprocess_op_pair_grads.run_case(module, "cudnn", case, False, mask=m) for m in ("bool", "float32")}
+    out["fp32_inputs"] = subprocess_op_pair_grads.run_case(module, "cudnn", case, False, dtype="float32")
     return {k: v and {"status": v["status"], "error": v.get("error", "")} for k, v in out.items()}
 result = {"env_error": cases()}
 diffusers_cudnn_fix.set_mask_mode("convert")
@@ -263,7 +240,9 @@ print(json.dumps(result))
 
 
 def test_fp32_inputs_raise_instead_of_garbage(patched) -> None:
-    result = scenario_grads.run_case(patched, "cudnn", scenario_grads.CASES[0], False, dtype="float32")
+    result = subprocess_op_pair_grads.run_case(
+        patched, "cudnn", subprocess_op_pair_grads.CASES[0], False, dtype="float32"
+    )
     assert result["status"] == "raised"
     assert "UnsafeAttentionError" in result["error"] and "bfloat16" in result["error"]
 
@@ -289,7 +268,7 @@ def test_unsupported_or_mixed_qkv_dtypes_raise_naming_the_three(patched, dtypes)
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Ring attention on 0.39.0: corrected for the cuDNN and flash ops, refused elsewhere (scenario_ring: one
+# Ring attention on 0.39.0: corrected for the cuDNN and flash ops, refused elsewhere (threaded_ring: one
 # thread per ring rank, so several ring chunks run in this one process)
 # ------------------------------------------------------------------------------------------------------------
 RING_FORWARD, RING_BACKWARD = "TemplatedRingAttention.forward", "TemplatedRingAttention.backward"
@@ -303,23 +282,23 @@ def _shipped(target: str):
 @pytest.mark.parametrize("backend", ["cudnn", "flash"])
 def test_ring_is_corrected_for_every_ring_degree(patched: types.ModuleType, backend: str, world: int) -> None:
     assert diffusers_cudnn_fix.is_patched(RING_FORWARD) and diffusers_cudnn_fix.is_patched(RING_BACKWARD)
-    result = scenario_ring.run(patched, backend, world)
+    result = threaded_ring.run(patched, backend, world)
     assert result["status"] == "pass", result
-    fp32 = scenario_ring.run(patched, backend, world, convert_to_fp32=True)
+    fp32 = threaded_ring.run(patched, backend, world, convert_to_fp32=True)
     assert fp32["status"] == "pass", fp32
 
 
 @pytest.mark.parametrize("backend", ["cudnn", "flash"])
 def test_ring_as_shipped_is_wrong_with_the_corrected_ops(patched: types.ModuleType, backend: str) -> None:
     """The control: the corrected cuDNN / flash ops under diffusers' own ring forward and backward."""
-    result = scenario_ring.run(
+    result = threaded_ring.run(
         patched, backend, 2, ring_forward=_shipped(RING_FORWARD), ring_backward=_shipped(RING_BACKWARD)
     )
     assert result["status"] == "wrong", result
 
 
 def _ring_refusal(module: types.ModuleType, backend: str = "cudnn", **kwargs) -> str:
-    result = scenario_ring.run(module, backend, 2, **kwargs)
+    result = threaded_ring.run(module, backend, 2, **kwargs)
     assert result["status"] == "raised" and result["raised"] == "UnsafeAttentionError", result
     return result["error"]
 
@@ -356,7 +335,7 @@ def test_ring_refuses_what_it_does_not_correct(patched: types.ModuleType) -> Non
     op is a stand-in where the stand-in kernels would refuse first (dropout) or diffusers' op raises (GQA)."""
     import torch
 
-    mask = torch.zeros(scenario_ring.BATCH, 1, scenario_ring.SEQ_PER_RANK, scenario_ring.SEQ_PER_RANK)
+    mask = torch.zeros(threaded_ring.BATCH, 1, threaded_ring.SEQ_PER_RANK, threaded_ring.SEQ_PER_RANK)
     cases = {
         "mask": {"attn_mask": mask.to(torch.bfloat16)},
         "dropout": {"dropout_p": 0.1, "forward_op": _zeros_forward_op},
@@ -389,7 +368,7 @@ def test_ring_backward_is_left_alone_where_it_is_right() -> None:
 @pytest.mark.parametrize("order", ["package_first", "none"])
 def test_ulysses_on_0_36_0(order: str) -> None:
     """0.36.0's Ulysses backward (11 gradients for 12 inputs) raises for every backend; padded, it is right."""
-    result = run(release_dir("0.36.0"), f"import scenario_ulysses; scenario_ulysses.main({order!r})", preloaded=True)
+    result = run(release_dir("0.36.0"), f"import subprocess_ulysses_grads as s; s.main({order!r})", preloaded=True)
     cudnn = {k: v for k, v in result["cases"].items() if k.startswith("cudnn/")}
     if order == "none":
         assert all(v["status"] == "raised" for v in cudnn.values())
@@ -402,26 +381,11 @@ def _ulysses(module, monkeypatch, mask, *, grad: bool = True):
     """diffusers' own ``TemplatedUlyssesAttention`` at Ulysses degree 1 (collectives stood in), cuDNN ops."""
     import torch
 
-    monkeypatch.setattr(module, "_all_to_all_single", lambda x, group=None: x)
-
-    def all_gather(out, tensor, group=None):
-        for part in out:
-            part.copy_(tensor)
-
-    monkeypatch.setattr(module, "dist", types.SimpleNamespace(all_gather=all_gather))
-    mesh = types.SimpleNamespace(get_group=lambda: None)
-    config = types.SimpleNamespace(
-        context_parallel_config=types.SimpleNamespace(
-            _ulysses_mesh=mesh, ulysses_degree=1, ring_degree=1, _world_size=2, convert_to_fp32=False
-        )
-    )
+    config = ulysses_config(stand_in_collectives(module, monkeypatch), convert_to_fp32=False)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 8, 2, 16, generator=gen).to(torch.bfloat16).requires_grad_(True) for _ in range(3))
     with torch.set_grad_enabled(grad):
-        out = module.TemplatedUlyssesAttention.apply(
-            q, k, v, mask, 0.0, False, None, False, False,
-            module._cudnn_attention_forward_op, module._cudnn_attention_backward_op, config,
-        )  # fmt: skip
+        out = ulysses_attention(module, q, k, v, mask, config=config)
         if grad:
             out.float().sum().backward()
     return out
@@ -496,32 +460,32 @@ def test_flash_inputs_off_16_bytes_are_copied_before_the_kernel(dispatch_module)
 # ------------------------------------------------------------------------------------------------------------
 def test_ring_gradients_right_at_every_degree_on_040_and_later() -> None:
     """0.42.x's ``enable_parallelism`` fails on a CPU-only torch, so its ring runs here in one process, a
-    thread per ring rank (``scenario_ring``), on diffusers' own cuDNN and flash ops as installed (0.42.0's
+    thread per ring rank (``threaded_ring``), on diffusers' own cuDNN and flash ops as installed (0.42.0's
     ring is 0.42.1's; 0.40.0 and 0.41.0 train at ring degree 4 in tests/test_cp_training.py)."""
     result = run(
         release_dir("0.42.1"),
         """
-import json, functools, torch, diffusers_cudnn_fix, scenario_ring, standin_kernels
+import json, functools, torch, diffusers_cudnn_fix, threaded_ring, standin_kernels
 import diffusers.models.attention_dispatch as module
 standin_kernels.register()
 shipped = {n: diffusers_cudnn_fix.get_original(f"TemplatedRingAttention.{n}").__func__ for n in ("forward", "backward")}
-result = {f"{b}/{w}": scenario_ring.run(module, b, w) for b in ("cudnn", "flash") for w in (2, 3, 4)}
+result = {f"{b}/{w}": threaded_ring.run(module, b, w) for b in ("cudnn", "flash") for w in (2, 3, 4)}
 # The control: diffusers' own ring with the same ops.
 for w in (2, 3, 4):
-    result[f"shipped/{w}"] = scenario_ring.run(
+    result[f"shipped/{w}"] = threaded_ring.run(
         module, "cudnn", w, ring_forward=shipped["forward"], ring_backward=shipped["backward"]
     )
-result["unified-shape/2"] = scenario_ring.run(module, "cudnn", 2, convert_to_fp32=True)
+result["unified-shape/2"] = threaded_ring.run(module, "cudnn", 2, convert_to_fp32=True)
 # Refused: a mask at ring degree > 1 (dropout too: the stand-in kernels have none); a backward op of another
 # backend from ring degree 3.
-key_mask = torch.zeros(scenario_ring.BATCH, 1, 1, scenario_ring.SEQ_PER_RANK, dtype=torch.bfloat16)
-result["mask/2"] = scenario_ring.run(module, "cudnn", 2, attn_mask=key_mask)
+key_mask = torch.zeros(threaded_ring.BATCH, 1, 1, threaded_ring.SEQ_PER_RANK, dtype=torch.bfloat16)
+result["mask/2"] = threaded_ring.run(module, "cudnn", 2, attn_mask=key_mask)
 installed = module._cudnn_attention_backward_op
 def other_backward_op(ctx, grad_out, *args, **kwargs):  # not one of diffusers' cuDNN / flash ops
     return installed(ctx, grad_out, *args, **kwargs)
 module._cudnn_attention_backward_op = other_backward_op
-result["other/2"] = scenario_ring.run(module, "cudnn", 2)
-result["other/3"] = scenario_ring.run(module, "cudnn", 3)
+result["other/2"] = threaded_ring.run(module, "cudnn", 2)
+result["other/3"] = threaded_ring.run(module, "cudnn", 3)
 module._cudnn_attention_backward_op = installed
 fixes = diffusers_cudnn_fix.status().fixes
 result["status"] = {f.id: [f.detected, f.applied, f.reason.split(":")[0]] for f in fixes if f.id.startswith("ring")}
@@ -530,7 +494,7 @@ print(json.dumps(result))
 """,
         preloaded=True,
     )
-    tolerance = scenario_ring.TOLERANCE
+    tolerance = threaded_ring.TOLERANCE
     assert result["status"] == {
         "ring_backward": ["ok", False, "not needed"],
         "ring_grad_route": ["broken", True, "fixed"],
@@ -573,25 +537,9 @@ def _one_key_pair(module, backward_op, mask, *, seq_q: int = 5, dtype: str = "bf
     q = torch.randn(2, seq_q, 3, 8, generator=gen).to(getattr(torch, dtype))
     k, v = (torch.randn(2, 1, 3, 8, generator=gen).to(q.dtype) for _ in range(2))
     grad_out = torch.randn(2, seq_q, 3, 8, generator=gen).to(q.dtype)
-    parallel_config = types.SimpleNamespace(
-        context_parallel_config=types.SimpleNamespace(_world_size=2, ring_degree=1, ulysses_degree=2)
-    )
-
-    class Harness(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, query, key, value):
-            query, key, value = (x.clone() for x in (query, key, value))
-            return module._cudnn_attention_forward_op(
-                ctx, query, key, value, mask, 0.0, False, None, False, False,
-                _save_ctx=True, _parallel_config=parallel_config,
-            )  # fmt: skip
-
-        @staticmethod
-        def backward(ctx, grad):
-            return backward_op(ctx, grad)[:3]
-
+    pair = op_pair(module._cudnn_attention_forward_op, backward_op, parallel_config=pair_config())
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    out = Harness.apply(*leaves)
+    out = pair.apply(*leaves, mask)
     out.backward(grad_out)
     got = [out.detach(), *(x.grad for x in leaves)]
     ref_leaves = [x.detach().float().transpose(1, 2).requires_grad_(True) for x in (q, k, v)]
@@ -671,10 +619,10 @@ def test_autocast_casts_q_k_v_as_sdpa_does(patched, compiled: bool) -> None:
     dtype; the raw cuDNN op has no autocast rule, and the dtype guard refused them. The package now casts them,
     so the result is the bf16 one (up to bf16 rounding: autocast reaches the stand-in kernel's own arithmetic
     on the CPU), with or without ``torch.compile``; without autocast they are still refused."""
-    import scenario_compile
+    import subprocess_compile_matrix
     import torch
 
-    one = scenario_compile.attention_fn(patched, "pair", None)
+    one = subprocess_compile_matrix.attention_fn(patched, "pair", None)
     fn = torch.compile(one, backend="aot_eager", fullgraph=True) if compiled else one
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(0)

@@ -202,14 +202,14 @@ def test_skipping_the_lse_fix_turns_garbage_into_a_clear_error() -> None:
         script(
             """
             import diffusers_cudnn_fix
-            import scenario_grads
-            module = scenario_grads.import_in_order("package_first")
+            import subprocess_op_pair_grads
+            module = subprocess_op_pair_grads.import_in_order("package_first")
             import standin_kernels
             standin_kernels.register()
-            case = scenario_grads.CASES[0]
+            case = subprocess_op_pair_grads.CASES[0]
             done(
-                without_lse=scenario_grads.run_case(module, "cudnn", case, False),
-                with_lse=scenario_grads.run_case(module, "cudnn", case, True),
+                without_lse=subprocess_op_pair_grads.run_case(module, "cudnn", case, False),
+                with_lse=subprocess_op_pair_grads.run_case(module, "cudnn", case, True),
             )
             """
         ),

@@ -14,10 +14,11 @@ import types
 import warnings
 
 import pytest
+from harness import stand_in_collectives, ulysses_attention, ulysses_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from releases import release_dir, run
-from scenario_key_padding import (
+from subprocess_key_padding import (
     CASES,
     MASK_KINDS,
     MASK_SHAPES,
@@ -137,28 +138,13 @@ def test_through_diffusers_ulysses_attention(patched, monkeypatch) -> None:
     from standin_kernels import max_abs_error
 
     module = patched
-    monkeypatch.setattr(module, "_all_to_all_single", lambda x, group=None: x)
-
-    def all_gather(out, tensor, group=None):
-        for part in out:
-            part.copy_(tensor)
-
-    monkeypatch.setattr(module, "dist", types.SimpleNamespace(all_gather=all_gather))
-    mesh = types.SimpleNamespace(get_group=lambda: None)
-    config = types.SimpleNamespace(
-        context_parallel_config=types.SimpleNamespace(
-            _ulysses_mesh=mesh, ulysses_degree=1, ring_degree=1, _world_size=2, convert_to_fp32=False
-        )
-    )
+    config = ulysses_config(stand_in_collectives(module, monkeypatch), convert_to_fp32=False)
     keep_rows = case_keep_rows(1, 16, "qwen")
     mask = make_mask(keep_rows, "key", "bool", 2, 16)
     q, k, v, g = inputs(1, 16, 16, 2, 16, seed=1)
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     with Seen() as seen:
-        out = module.TemplatedUlyssesAttention.apply(
-            *leaves, mask, 0.0, False, None, False, False,
-            module._cudnn_attention_forward_op, module._cudnn_attention_backward_op, config,
-        )  # fmt: skip
+        out = ulysses_attention(module, *leaves, mask, config=config)
         out.backward(g)
     assert seen.kernels == [(13, None)]
     ref = golden(q, k, v, g, mask)
@@ -220,7 +206,7 @@ def test_random_masks_equal_the_biased_path(patched, case) -> None:
 def test_diffusers_own_ops_on_0_42_1() -> None:
     """0.40+: diffusers' own forward / backward ops behind the package's wrappers get the trimmed K/V, and the
     backward wrapper scatters the gradients back."""
-    results = run(release_dir("0.42.1"), "import scenario_key_padding as s; s.main_cases()", preloaded=True)
+    results = run(release_dir("0.42.1"), "import subprocess_key_padding as s; s.main_cases()", preloaded=True)
     results.pop("_stderr")
     assert set(results) == {case[0] for case in CASES}
     for name, result in results.items():

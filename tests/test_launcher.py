@@ -2,8 +2,8 @@
 Python process COMMAND starts, without the script importing it.
 
 * A two-process ``torchrun`` (gloo, CPU stand-in kernels, diffusers 0.39.0) of the tiny Flux Ulysses training
-  step of ``scenario_cp_training``, from a script that never imports the package
-  (``scenario_launcher_train.py``): started through the launcher, the summed gradients are within the CP
+  step of ``subprocess_cp_training``, from a script that never imports the package
+  (``torchrun_train_script.py``): started through the launcher, the summed gradients are within the CP
   tests' tolerance of the one-process fp32 reference; started without it, the same run is not (on the
   stand-ins the unpatched backward finds no log-sum-exp and raises; on a GPU it reads an undefined one).
 * Cheap cases, each one launcher process: the exit status, a signal and the process itself pass through
@@ -190,7 +190,7 @@ def _torchrun(tmp_path: Path, through_launcher: bool) -> list[dict]:
     paths = [str(release_dir("0.39.0")), str(ROOT), str(TESTS)]
     env = _clean_env(PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    command = [*torchrun, str(TESTS / "scenario_launcher_train.py"), str(out_dir)]
+    command = [*torchrun, str(TESTS / "torchrun_train_script.py"), str(out_dir)]
     if through_launcher:
         command = [*MODULE, "run", "--", *command]
     # Its own process group, so that a run past the deadline takes its workers with it.

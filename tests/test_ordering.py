@@ -15,8 +15,6 @@ stand-in kernels, a real gradient of diffusers' cuDNN op pair (right when patche
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 from expected_fixes import applied
 from releases import release_dir, run
@@ -30,78 +28,6 @@ TARGETS = (FWD, BWD, FLASH_BWD)
 # The steps. "package": import diffusers_cudnn_fix; "diffusers": import diffusers' attention module.
 PACKAGE, DIFFUSERS, APPLY, REVERT = "package", "diffusers", "apply", "revert"
 
-DRIVER = """
-import json, sys, warnings
-warnings.simplefilter("always")
-MOD = "diffusers.models.attention_dispatch"
-TARGETS = {targets!r}
-STEPS = {steps!r}
-shipped = {{}}  # what the module held before the package could touch it (only seen with diffusers first)
-first_original = {{}}
-standins = []
-
-
-def grads(module):
-    import scenario_grads
-    if not standins:
-        import standin_kernels
-        standin_kernels.register()
-        standins.append(True)
-    case = scenario_grads.CASES[0]  # num_heads == seq_len: no shape check can catch a transposition
-    out = {{}}
-    # return_lse=False is the training path (0.39.0's shipped forward saves no log-sum-exp there).
-    out["cudnn"] = scenario_grads.run_case(module, "cudnn", case, False)
-    out["fp32"] = scenario_grads.run_case(module, "cudnn", case, True, dtype="float32")
-    return {{k: {{"status": v["status"], "error": v.get("error", "")}} for k, v in out.items()}}
-
-
-def snapshot(step):
-    s = {{"step": step, "loaded": MOD in sys.modules}}
-    pkg = sys.modules.get("diffusers_cudnn_fix")
-    if pkg is None:
-        if s["loaded"]:
-            module = sys.modules[MOD]
-            shipped.update({{t: getattr(module, t, None) for t in TARGETS}})
-        return s
-    report = pkg.status()
-    data = report.to_dict()
-    s["ok"] = report.ok
-    s["text"] = str(report)
-    s["enabled"] = data["enabled"]
-    s["module_loaded"] = data["module_loaded"]
-    s["applied"] = sorted(f["id"] for f in data["fixes"] if f["applied"])
-    s["patched"] = {{t: pkg.is_patched(t) for t in TARGETS}}
-    originals = {{t: pkg.get_original(t) for t in TARGETS}}
-    # Asking must not import diffusers' module (that would change every order that follows).
-    s["queries_imported_it"] = not s["loaded"] and MOD in sys.modules
-    if s["loaded"]:
-        module = sys.modules[MOD]
-        s["live_is_original"] = {{t: getattr(module, t, None) is originals[t] for t in TARGETS}}
-        s["original_is_shipped"] = {{}}
-        for t in TARGETS:
-            first_original.setdefault(t, originals[t])
-            same = originals[t] is first_original[t] and (t not in shipped or originals[t] is shipped[t])
-            # Never one of the package's own objects (a hook and an apply() both patching would do that).
-            foreign = originals[t] is not None and getattr(originals[t], "__module__", "") != MOD
-            s["original_is_shipped"][t] = same and not foreign
-        s["grads"] = grads(module)
-    return s
-
-
-snapshots = []
-for step in STEPS:
-    if step == "package":
-        import diffusers_cudnn_fix
-    elif step == "diffusers":
-        import diffusers.models.attention_dispatch
-    elif step == "apply":
-        diffusers_cudnn_fix.apply()
-    elif step == "revert":
-        diffusers_cudnn_fix.revert()
-    else:
-        raise ValueError(step)
-    snapshots.append(snapshot(step))
-"""
 
 # What each release looks like, patched and reverted.
 PATCHED_TARGETS = {
@@ -164,10 +90,9 @@ def _problems(version: str, snap: dict, state: str) -> list[str]:
 
 
 def _run_order(version: str, steps: list[str], env: dict[str, str] | None = None) -> list[dict]:
-    script = textwrap.dedent(DRIVER).format(targets=TARGETS, steps=steps)
-    result = run(
-        release_dir(version), script + "\nprint(json.dumps({'snapshots': snapshots}))\n", env=env, preloaded=True
-    )
+    """``steps`` in a fresh interpreter (``subprocess_import_order``, forked preloaded); the snapshot after each."""
+    script = f"import subprocess_import_order as s; s.main({TARGETS!r}, {steps!r})"
+    result = run(release_dir(version), script, env=env, preloaded=True)
     snapshots = result["snapshots"]
     assert [s["step"] for s in snapshots] == steps
     return snapshots

@@ -2,7 +2,7 @@
 
 For each release with the broken ops (0.36.0 - 0.42.1) a fresh interpreter imports the package and
 diffusers, registers the CPU stand-in kernels and runs one hypothesis search over shapes, dtypes, masks,
-layouts, flags, paths (op pair, Ulysses, ring) and launch orders (``tests/scenario_properties.py`` says
+layouts, flags, paths (op pair, Ulysses, ring) and launch orders (``tests/subprocess_property_search.py`` says
 what is drawn, what counts as right and which errors count as clear). A silent wrong result, an error
 that does not name its cause, or a refusal the contract does not allow fails the test, with the shrunk
 counterexample in the message. The control runs the same search on diffusers 0.39.0 as shipped and must
@@ -41,7 +41,7 @@ def _search(version: str, mode: str) -> dict:
     timeout = 300 if _profile() in ("ci", "short") else 3 * 3600
     return run(
         release_dir(version),
-        f"import scenario_properties; scenario_properties.main({mode!r})",
+        f"import subprocess_property_search; subprocess_property_search.main({mode!r})",
         env={"HYPOTHESIS_PROFILE": _profile()},
         timeout=timeout,
         preloaded=True,

@@ -9,7 +9,7 @@ Three layers, cheapest first:
   diffusers' own forward from a stand-in of QwenImage's attention processor, per layout, eager and under
   ``torch.compile``; the layouts it cannot map are refused, naming the layout;
 - one training step of the tiny QwenImage with padded prompts of different lengths in one batch
-  (``scenario_cp_training``: ``QWEN_TEXT_MASK``), Ulysses degree 2 (2 gloo ranks; on 0.38.0 also with
+  (``subprocess_cp_training``: ``QWEN_TEXT_MASK``), Ulysses degree 2 (2 gloo ranks; on 0.38.0 also with
   gradient checkpointing, and at degree 4 with 4 ranks), no switch set: the summed gradients within 3 % of
   one process on 0.37.0, 0.38.0 and 0.39.0; the control, the package with this fix skipped, far off (0.38.0)
   or refused by the stand-in kernel (0.37.0's 2-D mask). See docs/cp-training-tests.md, "QwenImage with padded prompts".
@@ -236,12 +236,12 @@ def test_layouts_that_cannot_be_mapped_are_refused_naming_them(entering_038: dic
 
 # --- training: tiny QwenImage, padded prompts, Ulysses degree 2 (and 4), gloo ----------------------------------
 
-#: The launcher: ``scenario_cp_training``'s own jobs, one after the other in one interpreter, with a Ulysses
+#: The launcher: ``subprocess_cp_training``'s own jobs, one after the other in one interpreter, with a Ulysses
 #: degree 4 case added (4 ranks: each holds 1 text + 1 image token and 1 of the 4 heads), the one-process
 #: reference's backend set per release, and ``DIFFUSERS_CUDNN_FIX_SKIP`` per job (the control).
 TRAIN_SCRIPT = """
 import json, os, sys
-import scenario_cp_training as s
+import subprocess_cp_training as s
 s.CASES["qwen_ulysses4"] = ("qwen", "ulysses4")
 s.DEGREES["ulysses4"] = {{"ulysses_degree": 4}}
 s.REFERENCE_BACKEND = {reference!r}

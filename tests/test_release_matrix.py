@@ -2,7 +2,7 @@
 
 Each case drives diffusers' installed forward/backward op pair (cuDNN and native flash) on CPU stand-in
 kernels, with return_lse False and True, for num_heads == seq_len, num_heads != seq_len and S_q != S_kv,
-and compares out / dQ / dK / dV with an fp32 reference (``scenario_grads.py``). The same run without the
+and compares out / dQ / dK / dV with an fp32 reference (``subprocess_op_pair_grads.py``). The same run without the
 package must fail on the broken releases: that is what makes the passing runs mean something.
 
 Two fresh interpreters per release, one per import order, each shared by the tests below (``_job``), forked
@@ -20,7 +20,7 @@ from releases import BROKEN_CUDNN, BROKEN_FLASH, RELEASES, release_dir, run
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = "import scenario_grads; scenario_grads.main({order!r}, control={control!r}, ulysses={ulysses!r})"
+SCRIPT = "import subprocess_op_pair_grads as s; s.main({order!r}, control={control!r}, ulysses={ulysses!r})"
 # 0.36.0's Ulysses backward raises for every backend (11 gradients for 12 inputs): test_guards.py has it.
 ULYSSES_RELEASES = tuple(v for v in RELEASES if v not in ("0.35.2", "0.36.0"))
 

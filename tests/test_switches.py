@@ -53,10 +53,10 @@ def lifecycle():
 
 def bool_mask_case():
     import diffusers.models.attention_dispatch as module
-    import scenario_grads, standin_kernels
+    import subprocess_op_pair_grads, standin_kernels
     standin_kernels.register()
     before = len(seen)
-    result = scenario_grads.run_case(module, "cudnn", MASK_CASE, False, mask="bool")
+    result = subprocess_op_pair_grads.run_case(module, "cudnn", MASK_CASE, False, mask="bool")
     return {"status": result["status"], "error": result.get("error", ""),
             "warnings": [w.category.__name__ for w in seen[before:] if is_ours(w)]}
 

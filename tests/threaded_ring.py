@@ -14,7 +14,7 @@ without it).
 
 Also runnable in a fresh interpreter (the release first on ``PYTHONPATH``)::
 
-    python -c "import scenario_ring; scenario_ring.main(package=False, worlds=(2, 3))"
+    python -c "import threaded_ring; threaded_ring.main(package=False, worlds=(2, 3))"
 """
 
 from __future__ import annotations

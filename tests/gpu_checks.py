@@ -1,6 +1,6 @@
 """GPU checks of one diffusers release, run in a fresh interpreter by ``test_gpu.py`` (marker ``gpu``).
 
-    python -c "import scenario_gpu; scenario_gpu.main()"
+    python -c "import gpu_checks; gpu_checks.main()"
 
 With the package imported first, on the CUDA device:
 
@@ -10,7 +10,7 @@ With the package imported first, on the CUDA device:
 * a bool mask with masked columns and one fully masked row (B=1 S=64 H=2 D=64) through the cuDNN CP op in
   each mask mode, and converted with -65504 (F.sdpa's own fill) for comparison, against fp32
   ``F.scaled_dot_product_attention`` on the math backend with the bool mask;
-* ``TemplatedRingAttention`` with 2, 3 and 4 ring chunks on the one GPU (``scenario_ring``: a thread per ring
+* ``TemplatedRingAttention`` with 2, 3 and 4 ring chunks on the one GPU (``threaded_ring``: a thread per ring
   rank), as installed and, where the package replaced it, as shipped.
 
 Prints one JSON line.
@@ -21,12 +21,12 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import types
 import warnings
 from typing import Any
 
 import diffusers.models.attention_dispatch as module
 import torch
+from harness import op_pair, ulysses_attention, ulysses_config
 
 import diffusers_cudnn_fix
 from diffusers_cudnn_fix import _probe as probe
@@ -75,29 +75,14 @@ def ulysses_nccl() -> dict[str, Any]:
         store = tempfile.NamedTemporaryFile(delete=False)
         dist.init_process_group("nccl", init_method=f"file://{store.name}", rank=0, world_size=1)
     mesh = init_device_mesh("cuda", (1,))
-    config = types.SimpleNamespace(
-        context_parallel_config=types.SimpleNamespace(
-            _ulysses_mesh=mesh, ulysses_degree=1, ring_degree=1, _world_size=2, ulysses_anything=False
-        )
-    )
+    config = ulysses_config(mesh)
     results = {}
     for case in (*probe.CASES[:1], ("heads_ne_seq", 2, 128, 128, 8, 64)):
         q, k, v, grad = probe._inputs(case, DEVICE)
         golden = probe.reference(case, DEVICE, torch.float32)
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
         try:
-            out = module.TemplatedUlyssesAttention.apply(
-                *leaves,
-                None,
-                0.0,
-                False,
-                None,
-                False,
-                False,
-                module._cudnn_attention_forward_op,
-                module._cudnn_attention_backward_op,
-                config,
-            )
+            out = ulysses_attention(module, *leaves, config=config)
             out.backward(grad)
             got = {"out": out.detach(), **dict(zip(("dq", "dk", "dv"), (x.grad for x in leaves)))}
             low = probe.reference(case, DEVICE, torch.bfloat16)
@@ -116,22 +101,11 @@ def ulysses_nccl() -> dict[str, Any]:
     return results
 
 
-class _MaskHarness(torch.autograd.Function):
-    """The installed cuDNN CP forward op with ``mask``; its backward through ``backward_op`` (None: the
-    installed one)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask, backward_op=None):
-        q, k, v = (x.clone() for x in (q, k, v))
-        ctx.harness_backward = backward_op or module._cudnn_attention_backward_op
-        return module._cudnn_attention_forward_op(
-            ctx, q, k, v, mask, 0.0, False, None, False, False, _save_ctx=True, _parallel_config=probe._TRAINING_CP
-        )
-
-    @staticmethod
-    def backward(ctx, grad):
-        dq, dk, dv = ctx.harness_backward(ctx, grad)[:3]
-        return dq, dk, dv, None, None
+def _mask_pair(backward_op: Any = None) -> Any:
+    """The installed cuDNN CP forward op (its ``mask`` an argument of ``apply``); its backward through
+    ``backward_op`` (None: the installed one)."""
+    backward_op = backward_op or module._cudnn_attention_backward_op
+    return op_pair(module._cudnn_attention_forward_op, backward_op, parallel_config=probe._TRAINING_CP)
 
 
 def masks() -> dict[str, Any]:
@@ -156,7 +130,7 @@ def masks() -> dict[str, Any]:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                out = _MaskHarness.apply(*leaves, mask)
+                out = _mask_pair().apply(*leaves, mask)
                 out.backward(grad)
         except Exception as exc:
             return {"raised": f"{type(exc).__name__}: {str(exc)[:160]}"}
@@ -217,7 +191,7 @@ def one_key_masked_rows() -> dict[str, Any]:
     def run(mask: torch.Tensor, backward_op: Any) -> dict[str, Any]:
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
         try:
-            out = _MaskHarness.apply(*leaves, mask, backward_op)
+            out = _mask_pair(backward_op).apply(*leaves, mask)
             out.backward(grad)
         except Exception as exc:
             return {"raised": f"{type(exc).__name__}: {str(exc)[:160]}"}
@@ -255,11 +229,11 @@ RING_WORLDS = (2, 3, 4)
 
 def ring_chunks() -> dict[str, Any]:
     """``TemplatedRingAttention`` with 2, 3 and 4 ring chunks on this one GPU (one thread per ring rank,
-    ``scenario_ring``), cuDNN and flash ops, as installed (corrected where the package replaced the ring) and,
+    ``threaded_ring``), cuDNN and flash ops, as installed (corrected where the package replaced the ring) and,
     where it did, diffusers' own ring forward/backward with the same ops (the control). Each case is also
     judged by the probe's rule (``rule_passed``: every max-abs error within 5x that of the same attention
     computed eagerly in bf16, + 1e-3, against fp32)."""
-    import scenario_ring
+    import threaded_ring
 
     diffusers_cudnn_fix.apply()
     shipped = {
@@ -276,19 +250,19 @@ def ring_chunks() -> dict[str, Any]:
         return result
 
     results: dict[str, Any] = {}
-    for backend, (_, backward_name) in scenario_ring.BACKEND_OPS.items():
+    for backend, (_, backward_name) in threaded_ring.BACKEND_OPS.items():
         if backend == "native" or not hasattr(module, backward_name):
             continue
         for world in RING_WORLDS:
             results[f"{backend}/world={world}"] = judged(
-                scenario_ring.run(module, backend, world, device="cuda", bf16_yardstick=True)
+                threaded_ring.run(module, backend, world, device="cuda", bf16_yardstick=True)
             )
             if shipped:
                 # diffusers' own ring as it shipped: the package's corrected forward/backward (<= 0.39, and
                 # ring_grad_route's on 0.40+) replaced by the originals.
                 control = {f"ring_{name}": function for name, function in shipped.items()}
                 results[f"{backend}/world={world}/shipped ring"] = judged(
-                    scenario_ring.run(module, backend, world, device="cuda", bf16_yardstick=True, **control)
+                    threaded_ring.run(module, backend, world, device="cuda", bf16_yardstick=True, **control)
                 )
     return {"ring_patched": "forward" in shipped, "ring_replaced": sorted(shipped), "cases": results}
 

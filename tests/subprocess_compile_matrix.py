@@ -2,8 +2,8 @@
 
 Run in a fresh interpreter whose ``PYTHONPATH`` starts with one diffusers release (``releases.run`` does it)::
 
-    python -c "import scenario_compile as s; s.main('diffusers_first', ('eager', 'aot_eager', 'inductor'))"
-    python -c "import scenario_compile as s; s.main('package_first', s.GPU_BACKENDS, device='cuda')"
+    python -c "import subprocess_compile_matrix as s; s.main('diffusers_first', ('eager', 'aot_eager', 'inductor'))"
+    python -c "import subprocess_compile_matrix as s; s.main('package_first', s.GPU_BACKENDS, device='cuda')"
 
 Imports diffusers and the package in ``order`` (``"none"``: the package is never imported, the control),
 registers the stand-in kernels (on CPU; on ``device="cuda"`` the real kernels run, over NCCL), joins a
@@ -33,7 +33,8 @@ import tempfile
 import types
 from typing import Any
 
-from scenario_grads import import_in_order, passes
+from harness import op_pair, ulysses_attention, ulysses_config
+from subprocess_op_pair_grads import import_in_order, passes
 
 #: (B, S, H, D) per device: the GPU's is the shape the compile bug was measured at.
 SHAPES = {"cpu": (2, 32, 4, 32), "cuda": (2, 256, 8, 64)}
@@ -95,39 +96,22 @@ def _init_group(device: str) -> Any:
 
 def attention_fn(module: types.ModuleType, path: str, mesh: Any) -> Any:
     """``fn(q, k, v, mask) -> out`` in model layout (B, S, H, D) through ``path``."""
-    import torch
-
     forward_op, backward_op = module._cudnn_attention_forward_op, module._cudnn_attention_backward_op
-    config = types.SimpleNamespace(
-        context_parallel_config=types.SimpleNamespace(
-            _ulysses_mesh=mesh, ulysses_degree=1, ring_degree=1, _world_size=2, ulysses_anything=False
-        )
-    )
+    config = ulysses_config(mesh)
     if path == "ulysses":
 
         def ulysses(q: Any, k: Any, v: Any, mask: Any) -> Any:
-            return module.TemplatedUlyssesAttention.apply(
-                q, k, v, mask, 0.0, False, None, False, False, forward_op, backward_op, config
+            return ulysses_attention(
+                module, q, k, v, mask, config=config, forward_op=forward_op, backward_op=backward_op
             )
 
         return ulysses
 
-    class OpPair(torch.autograd.Function):
-        """What diffusers' templated attention does around the op pair, minus the collectives."""
-
-        @staticmethod
-        def forward(ctx: Any, q: Any, k: Any, v: Any, mask: Any) -> Any:
-            return forward_op(
-                ctx, q, k, v, mask, 0.0, False, None, False, False, _save_ctx=True, _parallel_config=config
-            )
-
-        @staticmethod
-        def backward(ctx: Any, grad: Any) -> Any:
-            grads = backward_op(ctx, grad)
-            return grads[0], grads[1], grads[2], None
+    # What diffusers' templated attention does around the op pair, minus the collectives.
+    pair_fn = op_pair(forward_op, backward_op, parallel_config=config, inputs="as_given")
 
     def pair(q: Any, k: Any, v: Any, mask: Any) -> Any:
-        return OpPair.apply(q, k, v, mask)
+        return pair_fn.apply(q, k, v, mask)
 
     return pair
 

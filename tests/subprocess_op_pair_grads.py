@@ -2,8 +2,8 @@
 
 Run in a fresh interpreter by the release-matrix tests, one per release and import order::
 
-    python -c "import scenario_grads; scenario_grads.main('package_first', ulysses=True)"
-    python -c "import scenario_grads; scenario_grads.main('diffusers_first', control=True, ulysses=True)"
+    python -c "import subprocess_op_pair_grads as s; s.main('package_first', ulysses=True)"
+    python -c "import subprocess_op_pair_grads as s; s.main('diffusers_first', control=True, ulysses=True)"
 
 (the second runs the control, diffusers as shipped, before it imports the package: see ``main``).
 It imports diffusers and (unless ``order == 'none'``) this package in the given order, registers the CPU
@@ -20,6 +20,8 @@ import os
 import sys
 import types
 from typing import Any
+
+from harness import op_pair, pair_config
 
 #: (name, B, S_q, S_kv, H, D). num_heads == seq_len is where no shape check can catch a transposition.
 CASES = (
@@ -109,41 +111,14 @@ def run_case(
         attn_mask = keep
     elif mask == "float32":
         attn_mask = torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))
-    parallel_config = types.SimpleNamespace(
-        context_parallel_config=types.SimpleNamespace(_world_size=2, ring_degree=1, ulysses_degree=2)
+    # What TemplatedUlyssesAttention does around the ops, minus the all-to-alls: fresh tensors, as after the
+    # all-to-all (requires_grad is False on what reaches the op), a config of world size 2.
+    pair = op_pair(
+        getattr(module, fwd_name), getattr(module, bwd_name), return_lse=return_lse, parallel_config=pair_config()
     )
-
-    class Harness(torch.autograd.Function):
-        """What TemplatedUlyssesAttention does around the ops, minus the all-to-alls."""
-
-        @staticmethod
-        def forward(ctx, query, key, value):
-            # Fresh tensors, as after the all-to-all: requires_grad is False on what reaches the op.
-            query, key, value = (x.clone() for x in (query, key, value))
-            out = getattr(module, fwd_name)(
-                ctx,
-                query,
-                key,
-                value,
-                attn_mask,
-                0.0,
-                False,
-                None,
-                False,
-                return_lse,
-                _save_ctx=True,
-                _parallel_config=parallel_config,
-            )
-            return out[0] if return_lse else out
-
-        @staticmethod
-        def backward(ctx, grad):
-            grads = getattr(module, bwd_name)(ctx, grad)
-            return grads[0], grads[1], grads[2]
-
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     try:
-        out = Harness.apply(*leaves)
+        out = pair.apply(*leaves, attn_mask)
         out.backward(grad_out)
     except Exception as exc:
         return {"status": "raised", "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
@@ -202,9 +177,9 @@ def _phase(module: types.ModuleType, ulysses: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"package_loaded": package is not None, "imported_first": imported_first()}
     out["cases"] = run_cases(module)
     if ulysses:
-        import scenario_ulysses
+        import subprocess_ulysses_grads
 
-        out["ulysses"] = scenario_ulysses.run_cases(module)
+        out["ulysses"] = subprocess_ulysses_grads.run_cases(module)
     out["status"] = None if package is None else package.status().to_dict()
     return out
 
@@ -212,7 +187,7 @@ def _phase(module: types.ModuleType, ulysses: bool) -> dict[str, Any]:
 def main(order: str, *, control: bool = False, ulysses: bool = False) -> None:
     """Print one JSON line: the release, ``order``, ``status`` (None without the package) and ``cases``.
 
-    ``ulysses``: the same cases through diffusers' TemplatedUlyssesAttention too (``scenario_ulysses``),
+    ``ulysses``: the same cases through diffusers' TemplatedUlyssesAttention too (``subprocess_ulysses_grads``),
     under ``ulysses``. ``control`` (``order="diffusers_first"`` only): diffusers is imported, then every
     case runs on the ops as shipped, with the package not imported yet, under ``control``; only then is the
     package imported (its hook patching the module already loaded) and the cases run again. One

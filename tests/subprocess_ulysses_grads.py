@@ -2,13 +2,13 @@
 
 Run in a fresh interpreter::
 
-    python -c "import scenario_ulysses; scenario_ulysses.main('package_first')"
+    python -c "import subprocess_ulysses_grads; subprocess_ulysses_grads.main('package_first')"
 
 World size 1 is the most one process can drive: the all-to-alls run (over gloo, on CPU) but move nothing.
 S_q != S_kv is left out: diffusers' Ulysses backward reshapes the K/V gradients with the query's sequence
 length on every release (self-attention only), so that case fails with or without any fix.
 The context-parallel config says ``_world_size=2`` as in a two-rank training run, which is what diffusers'
-ops read to decide whether a backward may follow. Prints one JSON line like ``scenario_grads``.
+ops read to decide whether a backward may follow. Prints one JSON line like ``subprocess_op_pair_grads``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import tempfile
 import types
 from typing import Any
 
-from scenario_grads import BACKENDS, CASES, import_in_order, passes
+from harness import ulysses_attention, ulysses_config
+from subprocess_op_pair_grads import BACKENDS, CASES, import_in_order, passes
 
 ULYSSES_CASES = tuple(case for case in CASES if case[2] == case[3])
 
@@ -46,25 +47,11 @@ def run_case(module: types.ModuleType, mesh: Any, backend: str, case: tuple, ret
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch, s, heads, dim, generator=gen).to(torch.bfloat16) for s in (seq_q, seq_kv, seq_kv))
     grad_out = torch.randn(batch, seq_q, heads, dim, generator=gen).to(torch.bfloat16)
-    config = types.SimpleNamespace(
-        context_parallel_config=types.SimpleNamespace(
-            _ulysses_mesh=mesh, ulysses_degree=1, ring_degree=1, _world_size=2, ulysses_anything=False
-        )
-    )
+    config = ulysses_config(mesh)
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     try:
-        out = module.TemplatedUlyssesAttention.apply(
-            *leaves,
-            None,
-            0.0,
-            False,
-            None,
-            False,
-            return_lse,
-            getattr(module, fwd_name),
-            getattr(module, bwd_name),
-            config,
-        )
+        fwd, bwd = getattr(module, fwd_name), getattr(module, bwd_name)
+        out = ulysses_attention(module, *leaves, return_lse=return_lse, forward_op=fwd, backward_op=bwd, config=config)
         if return_lse:
             out = out[0]
         out.backward(grad_out)

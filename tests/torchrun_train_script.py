@@ -1,8 +1,8 @@
 """A training script that never imports ``diffusers_cudnn_fix``, for ``torchrun`` (``tests/test_launcher.py``).
 
-Run as ``torchrun --standalone --nproc-per-node 2 scenario_launcher_train.py OUT_DIR`` with one diffusers release,
+Run as ``torchrun --standalone --nproc-per-node 2 torchrun_train_script.py OUT_DIR`` with one diffusers release,
 the repository and ``tests/`` on ``PYTHONPATH``, with or without ``diffusers-cudnn-fix run --`` in front.
-Each rank trains one step of the tiny Flux of ``scenario_cp_training`` under diffusers' own Ulysses context
+Each rank trains one step of the tiny Flux of ``subprocess_cp_training`` under diffusers' own Ulysses context
 parallelism (degree 2, ``_native_cudnn`` backend on the CPU stand-in kernels) in the gloo group torchrun
 sets up; rank 0 first computes the one-process fp32 reference on diffusers' math backend, before the
 stand-ins exist. Each rank writes ``OUT_DIR/rank<N>.json``: whether the package was in ``sys.modules``
@@ -21,7 +21,7 @@ import traceback
 # What the process had imported before this script ran anything: the launcher's start-up hook, or nothing.
 PACKAGE_AT_START = "diffusers_cudnn_fix" in sys.modules
 
-import scenario_cp_training as cp  # noqa: E402 - after the check above; imports only the standard library
+import subprocess_cp_training as cp  # noqa: E402 - after the check above; imports only the standard library
 
 MODE = "ulysses"
 

@@ -3,8 +3,8 @@ templated Ulysses attention and the cuDNN context-parallel ops, forward + backwa
 autocast and with gradient checkpointing, each against the one-process fp32 reference. Run in a fresh
 interpreter with one diffusers release first on the path (``test_gpu.py`` does it, marker ``gpu``)::
 
-    python -c "import scenario_gpu_stacks as s; s.main()"                 # CUDA: NCCL group, inductor
-    python -c "import scenario_gpu_stacks as s; s.main(device='cpu')"     # CPU: gloo, the stand-in kernels
+    python -c "import gpu_training_stacks as s; s.main()"                 # CUDA: NCCL group, inductor
+    python -c "import gpu_training_stacks as s; s.main(device='cpu')"     # CPU: gloo, the stand-in kernels
 
 Why not ``enable_parallelism``: diffusers refuses a context-parallel config with both degrees 1
 (``ContextParallelConfig.__post_init__``) and one whose degrees multiply to more than the world size
@@ -46,6 +46,8 @@ import time
 import traceback
 import warnings
 from typing import Any
+
+from harness import ulysses_attention
 
 import diffusers_cudnn_fix  # first, as a training script would
 
@@ -323,9 +325,10 @@ def route_degree_one():
                   enable_gqa=False, return_lse=False, *, forward_op, backward_op, _parallel_config=None):  # fmt: skip
         cp = _parallel_config.context_parallel_config
         if cp.ulysses_degree == 1 and cp.ring_degree == 1 and not is_causal and not enable_gqa:
-            return dispatch.TemplatedUlyssesAttention.apply(
-                query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-                forward_op, backward_op, _parallel_config,
+            return ulysses_attention(
+                dispatch, query, key, value, attn_mask, config=_parallel_config, forward_op=forward_op,
+                backward_op=backward_op, dropout=dropout_p, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa, return_lse=return_lse,
             )  # fmt: skip
         return original(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
                         forward_op=forward_op, backward_op=backward_op, _parallel_config=_parallel_config)  # fmt: skip

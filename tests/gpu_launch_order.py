@@ -1,7 +1,7 @@
 """One launch-order case on a CUDA GPU, run in a fresh interpreter by ``test_gpu.py`` (marker ``gpu``).
 
-    python tests/scenario_launch.py --order package_first|diffusers_first --cuda cold|cuda|nccl|torchrun
-    torchrun --standalone --nproc-per-node 1 tests/scenario_launch.py --order package_first --cuda torchrun
+    python tests/gpu_launch_order.py --order package_first|diffusers_first --cuda cold|cuda|nccl|torchrun
+    torchrun --standalone --nproc-per-node 1 tests/gpu_launch_order.py --order package_first --cuda torchrun
 
 The release under test is whichever diffusers is first on ``PYTHONPATH``. Steps, each timed:
 
@@ -34,6 +34,8 @@ import traceback
 import types
 import warnings
 from typing import Any
+
+from harness import ulysses_attention, ulysses_config
 
 NAMES = ("out", "dq", "dk", "dv")
 #: (name, B, S, H, D): H == S (where no shape check helps) and H != S.
@@ -103,11 +105,7 @@ def ulysses(module: types.ModuleType, torch: Any, device: Any) -> dict[str, Any]
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (1,))
-    config = types.SimpleNamespace(
-        context_parallel_config=types.SimpleNamespace(
-            _ulysses_mesh=mesh, ulysses_degree=1, ring_degree=1, _world_size=2, ulysses_anything=False
-        )
-    )
+    config = ulysses_config(mesh)
     factor, slack, rule_source = _pass_rule()
     results: dict[str, Any] = {"rule": {"factor": factor, "slack": slack, "from": rule_source}}
     for name, batch, seq, heads, dim in SHAPES:
@@ -122,18 +120,7 @@ def ulysses(module: types.ModuleType, torch: Any, device: Any) -> dict[str, Any]
             key = f"{name} call {attempt}"
             leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
             try:
-                out = module.TemplatedUlyssesAttention.apply(
-                    *leaves,
-                    None,
-                    0.0,
-                    False,
-                    None,
-                    False,
-                    False,
-                    module._cudnn_attention_forward_op,
-                    module._cudnn_attention_backward_op,
-                    config,
-                )
+                out = ulysses_attention(module, *leaves, config=config)
                 out.backward(grad)
                 if device.type == "cuda":
                     torch.cuda.synchronize()

@@ -17,14 +17,13 @@ import json
 import os
 import random
 import traceback
-import types
 from typing import Any
+
+from harness import op_pair, pair_config
 
 FORWARD = "_scaled_dot_product_cudnn_attention"
 SYNC_OPS = ("_local_scalar_dense", "nonzero")
-CONFIG = types.SimpleNamespace(
-    context_parallel_config=types.SimpleNamespace(_world_size=2, ring_degree=1, ulysses_degree=2)
-)
+CONFIG = pair_config()
 MASK_SHAPES = ("key", "rows", "heads_rows", "shared")
 MASK_KINDS = ("bool", "float32", "bfloat16")
 #: Seeded random cases per release in :func:`main`.
@@ -88,26 +87,11 @@ class Seen:
 def run_pair(module, q, k, v, mask, grad_out, *, restoring: bool = True, config=CONFIG, dropout: float = 0.0):
     """out, dq, dk, dv of the installed op pair, and what the kernel saw. ``restoring``: set ``ctx.backward_op``
     to the installed backward op before the forward op runs, as diffusers' templated classes do."""
-    import torch
-
-    class Harness(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, query, key, value):
-            if restoring:
-                ctx.backward_op = module._cudnn_attention_backward_op
-            query, key, value = (x.clone() for x in (query, key, value))
-            return module._cudnn_attention_forward_op(
-                ctx, query, key, value, mask, dropout, False, None, False, False,
-                _save_ctx=True, _parallel_config=config,
-            )  # fmt: skip
-
-        @staticmethod
-        def backward(ctx, grad):
-            return tuple(module._cudnn_attention_backward_op(ctx, grad)[:3])
-
+    fwd, bwd = module._cudnn_attention_forward_op, module._cudnn_attention_backward_op
+    pair = op_pair(fwd, bwd, dropout=dropout, parallel_config=config, set_backward_op=restoring)
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     with Seen() as seen:
-        out = Harness.apply(*leaves)
+        out = pair.apply(*leaves, mask)
         out.backward(grad_out)
     return {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}, seen
 

@@ -3,8 +3,8 @@
 Run in a fresh interpreter, one diffusers release first on the path (``tests/test_properties.py`` does it
 through ``releases.run``)::
 
-    python -c "import scenario_properties; scenario_properties.main('package')"   # with diffusers_cudnn_fix
-    python -c "import scenario_properties; scenario_properties.main('none')"      # diffusers as shipped
+    python -c "import subprocess_property_search as s; s.main('package')"   # with diffusers_cudnn_fix
+    python -c "import subprocess_property_search as s; s.main('none')"      # diffusers as shipped
 
 The property, for every example the search draws: diffusers' attention either gives the right answer
 (output, log-sum-exp when asked for, the gradients of q/k/v and of a mask that requires grad, all against a
@@ -21,7 +21,7 @@ What is searched (``examples``):
 * shapes: B 1-2, H == S or free S_q/S_kv (1-9), grouped K/V heads (H_kv | H_q), D 4/8/16. The Ulysses path
   draws self-attention with H_kv == H_q only: diffusers' Ulysses reshapes K/V (forward) and their gradients
   (backward) with the query's heads and sequence length on every release, so anything else fails in a
-  reshape with or without this package (see scenario_ulysses.py); that is outside the package's contract.
+  reshape with or without this package (see subprocess_ulysses_grads.py); that is outside the package's contract.
 * dtypes: q/k/v all bf16, all fp16, all fp32, or each drawn on its own (mixed).
 * masks (cuDNN only: diffusers' native-flash backend raises ``attn_mask is not supported`` before the op):
   none, bool, integer (int64/int32/uint8 0/1), floating point of q's dtype or of bf16/fp16/fp32, with
@@ -45,7 +45,7 @@ row gives 0); a float mask is added to the scores; an integer mask, if it is not
 ``mask != 0``. A value passes when its max-abs error is within
 ``max(5 x the error of the same attention computed eagerly (math SDPA) in the inputs' least precise dtype,
 3 x the error of a right fused kernel that stores ``out`` in that dtype (``kernel_style``), 1% of its
-magnitude, 1e-5)`` (PyTorch's fused-attention rule, with scenario_grads.py's floor); the log-sum-exp within
+magnitude, 1e-5)`` (PyTorch's fused-attention rule, with subprocess_op_pair_grads.py's floor); the log-sum-exp within
 ``1e-3 + 1% of its magnitude``, and one whose shape differs from (B, S_q, H) only by size-1 dims is compared
 by value; NaN fails.
 
@@ -88,6 +88,8 @@ import types
 import warnings
 from collections import Counter
 from typing import Any
+
+from harness import op_pair, pair_config, ring_attention, ulysses_attention, ulysses_config
 
 BACKENDS = {
     "cudnn": ("_cudnn_attention_forward_op", "_cudnn_attention_backward_op"),
@@ -533,45 +535,23 @@ class Runner:
 
     def forward(self, ex: dict[str, Any], leaves: list[Any], mask: Any) -> tuple[Any, Any]:
         """One attention call as diffusers makes it; returns (out, lse or None)."""
-        import torch
-
         module = self.module
         fwd_name, bwd_name = BACKENDS[ex["backend"]]
         fwd, bwd = getattr(module, fwd_name), getattr(module, bwd_name)
-        args = (mask, 0.0, ex["is_causal"], ex["scale"], ex["enable_gqa"], ex["return_lse"])
+        flags = {
+            "is_causal": ex["is_causal"],
+            "scale": ex["scale"],
+            "enable_gqa": ex["enable_gqa"],
+            "return_lse": ex["return_lse"],
+        }
         if ex["path"] == "pair":
-            config = types.SimpleNamespace(
-                context_parallel_config=types.SimpleNamespace(_world_size=2, ring_degree=1, ulysses_degree=2)
-            )
-            return_lse = ex["return_lse"]
-
-            class Harness(torch.autograd.Function):
-                """What TemplatedUlyssesAttention does around the ops, minus the all-to-alls (the inputs
-                reach the op as fresh tensors that do not require grad, in the caller's layout)."""
-
-                @staticmethod
-                def forward(ctx, query, key, value):
-                    query, key, value = (x.detach() for x in (query, key, value))
-                    out = fwd(ctx, query, key, value, *args, _save_ctx=True, _parallel_config=config)
-                    if return_lse:
-                        out, lse = out[0], out[1]
-                        ctx.mark_non_differentiable(lse)
-                        return out, lse
-                    return out
-
-                @staticmethod
-                def backward(ctx, grad, *unused):
-                    grads = bwd(ctx, grad)
-                    return grads[0], grads[1], grads[2]
-
-            result = Harness.apply(*leaves)
+            # What TemplatedUlyssesAttention does around the ops, minus the all-to-alls (the inputs reach the op
+            # as fresh tensors that do not require grad, in the caller's layout).
+            pair = op_pair(fwd, bwd, **flags, keep_lse=True, parallel_config=pair_config(), inputs="detach")
+            result = pair.apply(*leaves, mask)
         elif ex["path"] == "ulysses":
-            config = types.SimpleNamespace(
-                context_parallel_config=types.SimpleNamespace(
-                    _ulysses_mesh=self.mesh, ulysses_degree=1, ring_degree=1, _world_size=2, ulysses_anything=False
-                )
-            )
-            result = module.TemplatedUlyssesAttention.apply(*leaves, *args, fwd, bwd, config)
+            config = ulysses_config(self.mesh)
+            result = ulysses_attention(module, *leaves, mask, **flags, forward_op=fwd, backward_op=bwd, config=config)
         else:
             config = types.SimpleNamespace(
                 context_parallel_config=types.SimpleNamespace(
@@ -585,7 +565,7 @@ class Runner:
                     ulysses_anything=False,
                 )
             )
-            result = module.TemplatedRingAttention.apply(*leaves, *args, fwd, bwd, config)
+            result = ring_attention(module, *leaves, mask, **flags, forward_op=fwd, backward_op=bwd, config=config)
         if ex["return_lse"]:
             return result[0], result[1]
         return result, None
@@ -862,7 +842,7 @@ def main(mode: str = "package") -> None:
     import diffusers
     import diffusers.models.attention_dispatch as module
     import standin_kernels
-    from scenario_ulysses import _init_gloo
+    from subprocess_ulysses_grads import _init_gloo
 
     standin_kernels.register()
     mesh = _init_gloo()

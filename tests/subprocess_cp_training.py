@@ -2,9 +2,9 @@
 
 Run in a fresh interpreter whose ``PYTHONPATH`` starts with one diffusers release (``releases.run`` does it)::
 
-    python -c "import scenario_cp_training as s; s.launch(package=True)"
-    python -c "import scenario_cp_training as s; s.launch(package=True, modes=('qwen_ulysses',), mask_switch='warn')"
-    python -c "import scenario_cp_training as s; s.launch_many([{'package': True}, {'package': False}])"
+    python -c "import subprocess_cp_training as s; s.launch(package=True)"
+    python -c "import subprocess_cp_training as s; s.launch(package=True, modes=('qwen_ulysses',), mask_switch='warn')"
+    python -c "import subprocess_cp_training as s; s.launch_many([{'package': True}, {'package': False}])"
 
 ``launch`` imports torch and ``torch._dynamo`` (nothing else: no diffusers, no package, no thread, no process
 group), forks the rank processes (two, or four for unified attention) and waits for them under a deadline.
@@ -188,7 +188,7 @@ def launch_many(jobs: list[dict[str, Any]]) -> None:
 
 
 #: The stderr line ``launch_many`` writes before each job (followed by the job's index).
-JOB_MARK = "--- scenario_cp_training job "
+JOB_MARK = "--- subprocess_cp_training job "
 
 
 def _check_job(job: dict[str, Any]) -> None:
