@@ -252,22 +252,12 @@ def _answer(name: str, args: dict[str, Any]) -> tuple[Any, ...]:
     return (torch.empty_like(q), lse, None, None, seq_q, k.shape[2], rng_state, unused, debug)
 
 
+_SEQ_OF = {"query": SEQ_Q, "key": SEQ_KV, "value": SEQ_KV}
+
+
 def kernel_shapes() -> dict[str, tuple[int, ...]]:
     """The (B, H, S, D) shapes the ATen kernels must see for the check's inputs."""
-    return {
-        "query": (BATCH, HEADS, SEQ_Q, HEAD_DIM),
-        "key": (BATCH, HEADS, SEQ_KV, HEAD_DIM),
-        "value": (BATCH, HEADS, SEQ_KV, HEAD_DIM),
-    }
-
-
-def model_shapes() -> dict[str, tuple[int, ...]]:
-    """The (B, S, H, D) shapes of the check's inputs, which the backward's gradients must have."""
-    return {
-        "query": (BATCH, SEQ_Q, HEADS, HEAD_DIM),
-        "key": (BATCH, SEQ_KV, HEADS, HEAD_DIM),
-        "value": (BATCH, SEQ_KV, HEADS, HEAD_DIM),
-    }
+    return {name: (BATCH, HEADS, seq, HEAD_DIM) for name, seq in _SEQ_OF.items()}
 
 
 def _qkv_shapes(call: OpCall) -> dict[str, tuple[int, ...] | None]:
@@ -316,7 +306,8 @@ def check_backward_layout(
     if trace.error is not None:
         return Finding("unknown", f"the backward raised {trace.error}")
     grad_shapes = tuple(tuple(g.shape) if isinstance(g, torch.Tensor) else None for g in (trace.grads or ())[:3])
-    if grad_shapes != tuple(model_shapes().values()):
+    # The gradients come back in the check's (B, S, H, D) model layout.
+    if grad_shapes != tuple((BATCH, seq, HEADS, HEAD_DIM) for seq in _SEQ_OF.values()):
         return Finding("unknown", f"the backward returns gradients of shapes {grad_shapes}")
     return Finding("ok", "q/k/v reach the backward kernel in the forward's (B, H, S, D) layout")
 

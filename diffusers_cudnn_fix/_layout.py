@@ -101,11 +101,6 @@ def to_kernel_layout(x: torch.Tensor) -> torch.Tensor:
     return realigned(x.contiguous())
 
 
-def to_model_layout(x: torch.Tensor) -> torch.Tensor:
-    """(B, H, S, D) -> dense (B, S, H, D); free when ``x`` already lies in (B, S, H, D) memory."""
-    return x.transpose(1, 2).contiguous()
-
-
 def with_strides_of(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``grad`` laid out with exactly ``like``'s strides.
 

@@ -169,17 +169,23 @@ def _up_to_date(module: ModuleType, skipped: frozenset[str]) -> bool:
     return not any(r.skipped and r.finding.state == "broken" and i not in skipped for i, r in _state.records.items())
 
 
+def _put_back(module: ModuleType | None, *, say_why: bool) -> None:
+    """Put back the shipped objects in ``module`` (None: nothing to put back) where ours are still installed,
+    and forget what we installed."""
+    for target, original in _state.originals.items():
+        if module is not None and _ours(module, target):
+            _raw_set(module, target, original)
+        elif module is not None and say_why:
+            logger.warning("%s.%s was changed by someone else since we patched it; left as is", MODULE_NAME, target)
+    for kept in (_state.originals, _state.installed, _state.policies, _state.seen, _state.rebound, _state.stale):
+        kept.clear()
+
+
 def _reset(module: ModuleType) -> None:
     """Put back what we installed (where it is still ours) and forget every check: the next apply starts over."""
-    if _state.module is module:
-        for target, original in _state.originals.items():
-            if _ours(module, target):
-                _raw_set(module, target, original)
+    _put_back(module if _state.module is module else None, say_why=False)
     _state.module = module
-    for kept in (_state.originals, _state.installed, _state.policies, _state.records, _state.seen):
-        kept.clear()
-    _state.rebound.clear()
-    _state.stale.clear()
+    _state.records.clear()
 
 
 def apply_to(module: ModuleType, *, scan_references: bool = True) -> None:
@@ -384,21 +390,11 @@ def revert() -> Report:
     with _state.lock:
         module = _state.module
         if module is not None:
-            for target, original in _state.originals.items():
-                if _ours(module, target):
-                    _raw_set(module, target, original)
-                else:
-                    logger.warning(
-                        "%s.%s was changed by someone else since we patched it; left as is", MODULE_NAME, target
-                    )
             for mod_name, global_name, original, ours in _state.rebound:
                 namespace = getattr(sys.modules.get(mod_name), "__dict__", None)
                 if isinstance(namespace, dict) and namespace.get(global_name) is ours:
                     namespace[global_name] = original
-            for kept in (_state.originals, _state.installed, _state.policies, _state.seen):
-                kept.clear()
-            _state.rebound.clear()
-            _state.stale.clear()
+            _put_back(module, say_why=True)
             for fix_id, record in list(_state.records.items()):
                 _state.records[fix_id] = _Record(record.finding, "reverted by revert()", record.skipped)
         return status()
