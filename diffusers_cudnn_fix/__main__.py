@@ -30,6 +30,7 @@ EXIT_OK, EXIT_NOT_SAFE, EXIT_NO_DIFFUSERS, EXIT_UNVERIFIED = 0, 1, 2, 3
 EXIT_USAGE = 64
 
 PROG = "diffusers-cudnn-fix"
+_TENSORS = ("out", "dq", "dk", "dv")  # the probe's (_probe.TENSORS), whose module needs torch
 
 DOCTOR_EXIT_STATUSES = f"""\
 exit status of the doctor:
@@ -173,14 +174,8 @@ def _shipped_vs_corrected(device: Any) -> list[dict[str, Any]]:
             rows.append({"variant": label, "errors": errors, "error": None})
         except Exception as exc:  # noqa: BLE001 - the shipped ops may raise: that is the finding
             rows.append({"variant": label, "errors": None, "error": f"{type(exc).__name__}: {exc}"})
-    rows.append(
-        {
-            "variant": "reference magnitudes",
-            "errors": {n: golden[n].abs().max().item() for n in probe.TENSORS},
-            "error": None,
-        }
-    )
-    return rows
+    magnitudes = {n: golden[n].abs().max().item() for n in probe.TENSORS}
+    return [*rows, {"variant": "reference magnitudes", "errors": magnitudes, "error": None}]
 
 
 def _needs(report_fixes: list[dict[str, Any]], live: dict[str, Any]) -> dict[str, Any]:
@@ -224,10 +219,8 @@ def collect(run_gpu: bool = True) -> tuple[dict[str, Any], int]:
         import torch  # noqa: F401
     except Exception as exc:  # noqa: BLE001
         error = f"cannot import diffusers' attention module: {type(exc).__name__}: {exc}"
-        table = release_table()
-        return {"version": __version__, "error": error, "release_table": table, "exit_status": EXIT_NO_DIFFUSERS}, (
-            EXIT_NO_DIFFUSERS
-        )
+        found = {"version": __version__, "error": error, "release_table": release_table()}
+        return {**found, "exit_status": EXIT_NO_DIFFUSERS}, EXIT_NO_DIFFUSERS
 
     import diffusers_cudnn_fix
 
@@ -361,18 +354,15 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
         print("Install diffusers and torch into this interpreter (the one that runs the training), then run the")
         print("doctor again.")
         print("\nThe release table (the releases each fix's bug is known in; the check decides once diffusers runs):")
-        for line in _columns(
-            [("fix", "releases", "kind"), *((r["id"], r["affected"], r["kind"]) for r in data["release_table"])]
-        ):
-            print(line)
+        listed = [(r["id"], r["affected"], r["kind"]) for r in data["release_table"]]
+        print("\n".join(_columns([("fix", "releases", "kind"), *listed])))
         print(f"\nexit status {EXIT_NO_DIFFUSERS}")
         return
     from .fixes import ALL_FIXES
 
     fixes_by_id = {fix.id: fix for fix in ALL_FIXES}
     status = data["status"]
-    for line in _next_step(data):
-        print(line)
+    print("\n".join(_next_step(data)))
 
     env = data["environment"]
     print(
@@ -420,18 +410,14 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
     rows_gpu = data.get("shipped_vs_corrected")
     if rows_gpu:
         print("\ncuDNN op pair, bf16 B=2 S=16 H=16 D=64, max-abs error vs fp32 eager:")
-        table_rows = [("variant", "out", "dQ", "dK", "dV")]
-        raised = []
+        gpu_table = [("variant", "out", "dQ", "dK", "dV")]
+        for row in rows_gpu:
+            errors = ["raises", "", "", ""] if row["error"] else [f"{row['errors'][t]:.4f}" for t in _TENSORS]
+            gpu_table.append((row["variant"], *errors))
+        print("\n".join(_columns(gpu_table)))
         for row in rows_gpu:
             if row["error"]:
-                table_rows.append((row["variant"], "raises", "", "", ""))
-                raised.append(row)
-            else:
-                table_rows.append((row["variant"], *(f"{row['errors'][t]:.4f}" for t in ("out", "dq", "dk", "dv"))))
-        for line in _columns(table_rows):
-            print(line)
-        for row in raised:
-            print(_wrap(f"{row['variant']} raises {row['error']}", "  "))
+                print(_wrap(f"{row['variant']} raises {row['error']}", "  "))
     if not data["nothing_to_fix"] and status["ok"] and data.get("probe", {}).get("state") == "skipped":
         print(
             "\n"

@@ -45,19 +45,9 @@ _WATCHED = {
 #: Parameters of diffusers' templated forward ops (0.36.0 to 0.42.1 spell them the same way); the corrected
 #: forward (``fixes/cudnn_forward_lse.py``) is the one place they are written out as a signature.
 FORWARD_PARAMS = (
-    "ctx",
-    "query",
-    "key",
-    "value",
-    "attn_mask",
-    "dropout_p",
-    "is_causal",
-    "scale",
-    "enable_gqa",
-    "return_lse",
-    "_save_ctx",
-    "_parallel_config",
-)
+    "ctx", "query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa", "return_lse",
+    "_save_ctx", "_parallel_config",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -463,6 +453,69 @@ def with_stand_ins(fn: Callable[..., Any], shipped: Any, **overrides: Any) -> Ca
 
 #: Stands in for a DeviceMesh in the class checks: the stand-in collectives ignore the group.
 FAKE_MESH = types.SimpleNamespace(get_group=lambda: None)
+
+
+class ReachedOp(Exception):
+    """Raised by :func:`call_ulysses`' stand-in attention op, with the mask it was handed."""
+
+    def __init__(self, mask: Any) -> None:
+        super().__init__("the attention op was reached")
+        self.mask = mask
+
+
+class ReachedCollectives(Exception):
+    """Raised where a forward run on :data:`STOP_MESH` first asks for its process group: it went on to
+    diffusers' code (whose frame the traceback holds)."""
+
+
+def _reach_collectives() -> Any:
+    raise ReachedCollectives
+
+
+#: A DeviceMesh whose group raises :class:`ReachedCollectives`.
+STOP_MESH = types.SimpleNamespace(get_group=_reach_collectives)
+
+
+def _all_gather(out: list[torch.Tensor], tensor: torch.Tensor, group: Any = None) -> None:
+    for part in out:
+        part.copy_(tensor)
+
+
+#: Stand-ins for the collectives of diffusers' Ulysses forward (globals of a copy, :func:`with_globals`).
+ULYSSES_STAND_INS = {
+    "_all_to_all_single": lambda x, group=None: x,
+    "dist": types.SimpleNamespace(all_gather=_all_gather),
+}
+
+
+def _reach_op(ctx: Any, query: Any, key: Any, value: Any, attn_mask: Any, *args: Any, **kwargs: Any) -> Any:
+    raise ReachedOp(attn_mask)
+
+
+def call_ulysses(
+    forward: Any,
+    mask: torch.Tensor,
+    mesh: Any,
+    *,
+    degree: int,
+    forward_op: Any = _reach_op,
+    shape: tuple[int, ...] = (1, 4, 2, 8),
+    dtype: torch.dtype = torch.float32,
+    via: Callable[[Any, tuple[Any, ...]], Any] | None = None,
+    **extra: Any,
+) -> None:
+    """Call a Ulysses ``forward`` as diffusers' dispatch does in training, at Ulysses ``degree`` of 2 ranks on
+    ``mesh`` (``extra``: more attributes of its config), with zero q/k/v of ``shape`` and ``mask``; raises what it
+    raises (the default ``forward_op``: :class:`ReachedOp`). ``via(forward, args)``: the call's frame."""
+    config = types.SimpleNamespace(_ulysses_mesh=mesh, ulysses_degree=degree, _world_size=2, **extra)
+    q, k, v = (torch.zeros(shape, dtype=dtype) for _ in range(3))
+    args = (ProbeCtx(), q, k, v, mask, 0.0, False, None, False, False, forward_op, None)
+    with torch.no_grad():  # as inside autograd.Function.forward
+        (via or _call)(forward, (*args, types.SimpleNamespace(context_parallel_config=config)))
+
+
+def _call(forward: Any, args: tuple[Any, ...]) -> Any:
+    return forward(*args)
 
 
 def run_ulysses_backward(backward: Any, shipped: Any) -> tuple[tuple[Any, ...] | None, str | None]:

@@ -248,12 +248,8 @@ def run_pair(forward_op: Any, backward_op: Any, case: tuple[Any, ...], device: t
 def _inputs(case: tuple[Any, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
     _, batch, seq_q, seq_kv, heads, dim = case
     gen = torch.Generator(device=device).manual_seed(1234)
-    shapes = (
-        (batch, seq_q, heads, dim),
-        (batch, seq_kv, heads, dim),
-        (batch, seq_kv, heads, dim),
-        (batch, seq_q, heads, dim),
-    )
+    q_shape, kv_shape = (batch, seq_q, heads, dim), (batch, seq_kv, heads, dim)
+    shapes = (q_shape, kv_shape, kv_shape, q_shape)  # q, k, v, grad_out
     return tuple(torch.randn(s, generator=gen, device=device, dtype=torch.bfloat16) for s in shapes)
 
 

@@ -448,18 +448,8 @@ def status() -> Report:
                 reason = "was fixed, but the module no longer holds our replacement (reloaded?): call apply()"
             if applied and fix.note is not None:
                 reason = f"{reason} [{fix.note()}]"
-            fixes.append(
-                FixStatus(
-                    id=fix.id,
-                    title=fix.title,
-                    upstream=fix.upstream,
-                    affected=fix.affected,
-                    expected=_expected(fix, version),
-                    detected=detected,
-                    applied=applied,
-                    reason=reason,
-                )
-            )
+            expected = _expected(fix, version)
+            fixes.append(FixStatus(fix.id, fix.title, fix.upstream, fix.affected, expected, detected, applied, reason))
         torch_mod = sys.modules.get("torch")
         probes: tuple[Any, ...] = ()
         if fixes and torch_mod is not None:
