@@ -375,16 +375,14 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
 
     print("\nfixes (table: the release table lists this release; check: what the check found in the shipped code):")
     rows = [("fix", "table", "check", "applied", "result")]
-    outcomes = []
     for f in status["fixes"]:
         table = {True: "affected", False: "not affected", None: "unknown"}[f["expected"]]
         kind = fixes_by_id[f["id"]].kind if f["id"] in fixes_by_id else "correction"
-        outcomes.append(_outcome(f, kind))
         check = data["shipped_check"].get(f["id"], f["detected"])
-        rows.append((f["id"], table, check, "yes" if f["applied"] else "no", outcomes[-1]))
+        rows.append((f["id"], table, check, "yes" if f["applied"] else "no", _outcome(f, kind)))
     lines = _columns(rows)
     print(lines[0])
-    for f, line, outcome in zip(status["fixes"], lines[1:], outcomes, strict=True):
+    for f, line, (*_, outcome) in zip(status["fixes"], lines[1:], rows[1:], strict=True):
         print(line)
         print(_wrap(f["title"], "      "))
         fix = fixes_by_id.get(f["id"])

@@ -251,22 +251,16 @@ def kernel_shapes() -> dict[str, tuple[int, ...]]:
 
 
 def _qkv_shapes(call: OpCall) -> dict[str, tuple[int, ...] | None]:
-    infos = {name: call.tensor(name) for name in ("query", "key", "value")}
-    return {name: (info.shape if info else None) for name, info in infos.items()}
+    return {name: getattr(call.tensor(name), "shape", None) for name in ("query", "key", "value")}
 
 
-def check_backward_layout(
-    forward: Callable[..., Any] | None,
-    backward: Callable[..., Any] | None,
-    *,
-    forward_op: str,
-    backward_op: str,
-) -> Finding:
+def check_backward_layout(forward: Any, backward: Any, forward_op: str, backward_op: str) -> Finding:
     """Do q, k, v reach the backward kernel in the layout they reached the forward kernel?
 
-    Runs with ``return_lse=True`` so that a missing log-sum-exp (a separate bug) cannot mask this one.
-    Also checks that ``grad_out`` reaches the kernel with ``out``'s shape and strides and that the
-    gradients come back in model layout.
+    ``forward`` / ``backward``: the op pair (None where missing); ``forward_op`` / ``backward_op``: the
+    watched ATen ops they reach (``CUDNN_FORWARD``, ...). Runs with ``return_lse=True`` so that a missing
+    log-sum-exp (a separate bug) cannot mask this one. Also checks that ``grad_out`` reaches the kernel with
+    ``out``'s shape and strides and that the gradients come back in model layout.
     """
     if forward is None or backward is None:
         return Finding("absent", "the op pair does not exist in this diffusers")
@@ -561,11 +555,22 @@ def installed_ring(lookup: Lookup) -> tuple[Any, Any] | Finding:
 
 
 def run_ring(
-    forward: Any, backward: Any, forward_op: Any, backward_op: Any, *, world: int, gather: Any, permute: Any, shape: Any
+    forward: Any, backward: Any, step: Any, backward_op: Any, *, world: int, gather: Any, permute: Any, shape: Any
 ) -> tuple[Any, Any]:
     """Run a ring ``forward``, then its ``backward``, as rank 0 of ``world`` ranks in this process, with stand-in
     collectives (``gather``, ``permute``) and attention ops on zero q/k/v of ``shape``; the package's corrected
-    ring drives ``backward_op`` as a known step op (its ``STEP_BACKWARD_OPS``). Returns (output, gradients)."""
+    ring drives ``backward_op`` as a known step op (its ``STEP_BACKWARD_OPS``). Returns (output, gradients).
+
+    The stand-in forward op returns ``step(k)``, (output, log-sum-exp) for a step's K, and saves what the
+    0.36-0.39 ops save, in kernel layout."""
+
+    def forward_op(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out, lse = step(k)
+        if kwargs.get("_save_ctx"):
+            kernel = (x.transpose(1, 2).contiguous() for x in (q, k, v, out))
+            ctx.save_for_backward(*kernel, lse.transpose(1, 2).contiguous(), None, None, None, None)
+        return out, lse
+
     collectives = types.SimpleNamespace(
         all_gather_tensor=gather, permute_tensor=permute, AsyncCollectiveTensor=type("AsyncCollectiveTensor", (), {})
     )

@@ -85,12 +85,6 @@ def _diffusers_version() -> str | None:
     return str(version) if version is not None else None
 
 
-def _expected(fix: Fix, version: str | None) -> bool | None:
-    if version is None:
-        return None
-    return release_table_lists(fix.affected, version)
-
-
 def _holder(module: ModuleType, target: str) -> tuple[Any, str]:
     *path, name = target.split(".")
     holder: Any = module
@@ -152,10 +146,6 @@ def _ours(module: ModuleType, target: str) -> bool:
 def _applied(module: ModuleType, fix: Fix) -> bool:
     mine = [t for t in fix.targets if fix.id in _state.policies.get(t, ())]
     return bool(mine) and all(_ours(module, t) for t in mine)
-
-
-def _all_targets() -> set[str]:
-    return {t for fix in _fixes() for t in fix.targets}
 
 
 def _up_to_date(module: ModuleType, skipped: frozenset[str]) -> bool:
@@ -264,7 +254,7 @@ def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> list[str]
                     "context parallelism may give wrong gradients; please report your diffusers version.",
                     FixNotAppliedWarning,
                 )
-    _state.seen = {t: raw_get(module, t) for t in _all_targets()}
+    _state.seen = {t: raw_get(module, t) for fix in fixes for t in fix.targets}
     return newly
 
 
@@ -346,7 +336,7 @@ def _announce(newly: list[str]) -> None:
     version = _diffusers_version()
     for fix in _fixes():
         record = _state.records.get(fix.id)
-        expected = _expected(fix, version)
+        expected = release_table_lists(fix.affected, version)
         if record is None or expected is None or fix.id in _state.mismatches_reported:
             continue
         state = record.finding.state
@@ -448,7 +438,7 @@ def status() -> Report:
                 reason = "was fixed, but the module no longer holds our replacement (reloaded?): call apply()"
             if applied and fix.note is not None:
                 reason = f"{reason} [{fix.note()}]"
-            expected = _expected(fix, version)
+            expected = release_table_lists(fix.affected, version)
             fixes.append(FixStatus(fix.id, fix.title, fix.upstream, fix.affected, expected, detected, applied, reason))
         torch_mod = sys.modules.get("torch")
         probes: tuple[Any, ...] = ()

@@ -96,10 +96,7 @@ def _masks_something(mask: torch.Tensor) -> bool:
     last = _last
     if last is not None and last[0]() is mask and last[1] == mask._version:
         return last[2]
-    if mask.dtype == torch.bool:
-        masks = not bool(mask.all())
-    else:
-        masks = bool(mask.ne(0).any())
+    masks = not bool(mask.all()) if mask.dtype == torch.bool else bool(mask.ne(0).any())
     if not mask.is_inference():  # an inference tensor has no version counter
         _last = (weakref.ref(mask), mask._version, masks)
     return masks
