@@ -316,8 +316,7 @@ def check_forward_lse(forward: Callable[..., Any] | None, *, forward_op: str) ->
             "so the backward reads an undefined log-sum-exp",
         )
     result = trace.forward_result
-    want = (BATCH, SEQ_Q, HEADS, HEAD_DIM)
-    if not isinstance(result, torch.Tensor) or tuple(result.shape) != want:
+    if not isinstance(result, torch.Tensor) or tuple(result.shape) != (BATCH, SEQ_Q, HEADS, HEAD_DIM):
         return Finding("broken", f"asked for the output only, the forward returned {type(result).__name__}")
     with_lse = run_pair(forward, None, return_lse=True).forward_result
     if not (isinstance(with_lse, tuple) and len(with_lse) == 2):

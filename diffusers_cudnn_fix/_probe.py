@@ -148,8 +148,7 @@ def _probe_locked(device: torch.device, trigger: str) -> ProbeResult:
         if not cases:
             state, reason = "skipped", "diffusers' cuDNN / flash context-parallel ops are not there to probe"
         elif failed:
-            state = "failed"
-            reason = ", ".join(f"{c.backend}/{c.case}" for c in failed) + " outside the pass rule"
+            state, reason = "failed", ", ".join(f"{c.backend}/{c.case}" for c in failed) + " outside the pass rule"
         else:
             state = "passed"
             reason = (

@@ -32,6 +32,10 @@ MODULE_NAME = _switches.MODULE_NAME
 _SCAN_SKIP = frozenset({"torch", "diffusers_cudnn_fix"}) | frozenset(getattr(sys, "stdlib_module_names", ()))
 
 
+#: Why a fix is not applied, by what its check found (broken: applied, or skipped or failed).
+_UNFIXED = {"ok": "not needed", "absent": "not applicable", "unknown": "left alone, behaviour unknown"}
+
+
 @dataclass(frozen=True)
 class _Record:
     """What ``apply`` found and did for one fix."""
@@ -242,11 +246,7 @@ def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> list[str]
             _state.records[fix.id] = _Record(finding, f"{verb}: {finding.detail}", installed=True)
             newly.append(fix.id)
         else:
-            reason = {
-                "ok": f"not needed: {finding.detail}",
-                "absent": f"not applicable: {finding.detail}",
-                "unknown": f"left alone, behaviour unknown: {finding.detail}",
-            }[finding.state]
+            reason = f"{_UNFIXED[finding.state]}: {finding.detail}"
             _state.records[fix.id] = _Record(finding, reason)
             if finding.state == "unknown":
                 report(
@@ -279,10 +279,8 @@ def _build(module: ModuleType, wanted: set[str]) -> tuple[dict[str, Any], dict[s
             if verified.state != "ok":
                 failed[fix_id] = verified.detail
         if not wanted & set(failed):
-            reasons = {
-                i: f"found broken, but the replacement did not pass the same check ({d})" for i, d in failed.items()
-            }
-            return built, reasons
+            why = "found broken, but the replacement did not pass the same check"
+            return built, {i: f"{why} ({detail})" for i, detail in failed.items()}
         wanted -= set(failed)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import traceback
 import warnings
 import weakref
 from typing import Any
@@ -196,11 +197,7 @@ def _mask_entering_ulysses(ulysses: Any, forward_op: Any) -> torch.Tensor | str:
             ring_degree=1, ulysses_anything=False,
         )  # fmt: skip
     except _detect.ReachedCollectives as stop:
-        frames = []
-        tb = stop.__traceback__
-        while tb is not None:
-            frames.append(tb.tb_frame)
-            tb = tb.tb_next
+        frames = [frame for frame, _ in traceback.walk_tb(stop.__traceback__)]
         if len(frames) < 2 or frames[-2].f_globals.get("__name__") != _switches.MODULE_NAME:
             return "diffusers' own forward was not reached"
         entering = frames[-2].f_locals.get("attn_mask")

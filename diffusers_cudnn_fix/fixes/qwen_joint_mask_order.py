@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import traceback
 import types
 import weakref
 from collections.abc import Mapping
@@ -131,9 +132,7 @@ def _unsharded_qwen_loaded() -> bool:
 
 def _plan_shards_the_mask(plan: Any) -> bool:
     """Whether a ``_cp_plan`` names ``encoder_hidden_states_mask`` among the inputs it splits."""
-    if not isinstance(plan, Mapping):
-        return False
-    return any(isinstance(entry, Mapping) and MASK_INPUT in entry for entry in plan.values())
+    return isinstance(plan, Mapping) and any(isinstance(e, Mapping) and MASK_INPUT in e for e in plan.values())
 
 
 def _qwen_frame(frame: types.FrameType | None) -> types.FrameType | None:
@@ -291,12 +290,10 @@ def _mask_entering_shipped(forward: Any, shipped: Any, mask: torch.Tensor) -> to
     try:
         _qwen_call(forward, _detect.STOP_MESH, mask)
     except _detect.ReachedCollectives as stop:
-        tb = stop.__traceback__
-        while tb is not None:
-            if tb.tb_frame.f_code is getattr(shipped, "__code__", None):
-                entering = tb.tb_frame.f_locals.get("attn_mask")
+        for frame, _ in traceback.walk_tb(stop.__traceback__):
+            if frame.f_code is getattr(shipped, "__code__", None):
+                entering = frame.f_locals.get("attn_mask")
                 return entering if isinstance(entering, torch.Tensor) else f"it received {entering!r}"
-            tb = tb.tb_next
         return "diffusers' own forward was not reached"
     except _detect.ReachedOp:
         return "the op was reached without diffusers' own forward asking for its process group"
