@@ -143,14 +143,6 @@ def _environment() -> dict[str, Any]:
     return env
 
 
-def _check_findings() -> dict[str, Any]:
-    """What the behavioural check sees now, on the installed objects: per fix, state and evidence."""
-    from . import _registry
-
-    found = _registry.check_live(sys.modules[_registry.MODULE_NAME])
-    return {fix_id: {"state": f.state, "detail": f.detail} for fix_id, f in found.items()}
-
-
 def _shipped_vs_corrected(device: Any) -> list[dict[str, Any]]:
     """Rows "as shipped" and "corrected" for the cuDNN pair on the probe's first case (H == S)."""
     from . import _probe as probe
@@ -225,10 +217,13 @@ def collect(run_gpu: bool = True) -> tuple[dict[str, Any], int]:
     import diffusers_cudnn_fix
 
     from . import _probe as probe
+    from . import _registry
 
     data: dict[str, Any] = {"version": __version__, "environment": _environment()}
     before = diffusers_cudnn_fix.status()
-    live = _check_findings()
+    # What the behavioural check sees now, on the installed objects: per fix, state and evidence.
+    checked = _registry.check_live(sys.modules[_registry.MODULE_NAME])
+    live = {fix_id: {"state": f.state, "detail": f.detail} for fix_id, f in checked.items()}
     data["check_after_patching"] = live if before.enabled else {}
     gpu = None
     if run_gpu:
