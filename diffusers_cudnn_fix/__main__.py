@@ -115,16 +115,6 @@ def _parser() -> _Parser:
     return parser
 
 
-def _run_parser() -> _Parser:
-    return _Parser(
-        prog=f"{PROG} run",
-        usage=f"{PROG} run [--] COMMAND [ARGS...]",
-        description=RUN_DESCRIPTION,
-        epilog=RUN_EXIT_STATUSES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-
-
 # ------------------------------------------------------------------------------------------------------------
 # What the doctor finds
 # ------------------------------------------------------------------------------------------------------------
@@ -432,7 +422,13 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
 # Entry point
 # ------------------------------------------------------------------------------------------------------------
 def _run_command(argv: list[str]) -> int:
-    parser = _run_parser()
+    parser = _Parser(
+        prog=f"{PROG} run",
+        usage=f"{PROG} run [--] COMMAND [ARGS...]",
+        description=RUN_DESCRIPTION,
+        epilog=RUN_EXIT_STATUSES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     if argv[:1] == ["--"]:
         command = argv[1:]
     elif argv[:1] in (["-h"], ["--help"]):
