@@ -30,6 +30,7 @@ EXIT_OK, EXIT_NOT_SAFE, EXIT_NO_DIFFUSERS, EXIT_UNVERIFIED = 0, 1, 2, 3
 EXIT_USAGE = 64
 
 PROG = "diffusers-cudnn-fix"
+_TENSORS = ("out", "dq", "dk", "dv")  # the probe's (_probe.TENSORS), whose module needs torch
 
 DOCTOR_EXIT_STATUSES = f"""\
 exit status of the doctor:
@@ -114,16 +115,6 @@ def _parser() -> _Parser:
     return parser
 
 
-def _run_parser() -> _Parser:
-    return _Parser(
-        prog=f"{PROG} run",
-        usage=f"{PROG} run [--] COMMAND [ARGS...]",
-        description=RUN_DESCRIPTION,
-        epilog=RUN_EXIT_STATUSES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-
-
 # ------------------------------------------------------------------------------------------------------------
 # What the doctor finds
 # ------------------------------------------------------------------------------------------------------------
@@ -140,14 +131,6 @@ def _environment() -> dict[str, Any]:
     if torch.cuda.is_available():
         env["gpu"] = f"{torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))})"
     return env
-
-
-def _check_findings() -> dict[str, Any]:
-    """What the behavioural check sees now, on the installed objects: per fix, state and evidence."""
-    from . import _registry
-
-    found = _registry.check_live(sys.modules[_registry.MODULE_NAME])
-    return {fix_id: {"state": f.state, "detail": f.detail} for fix_id, f in found.items()}
 
 
 def _shipped_vs_corrected(device: Any) -> list[dict[str, Any]]:
@@ -173,14 +156,8 @@ def _shipped_vs_corrected(device: Any) -> list[dict[str, Any]]:
             rows.append({"variant": label, "errors": errors, "error": None})
         except Exception as exc:  # noqa: BLE001 - the shipped ops may raise: that is the finding
             rows.append({"variant": label, "errors": None, "error": f"{type(exc).__name__}: {exc}"})
-    rows.append(
-        {
-            "variant": "reference magnitudes",
-            "errors": {n: golden[n].abs().max().item() for n in probe.TENSORS},
-            "error": None,
-        }
-    )
-    return rows
+    magnitudes = {n: golden[n].abs().max().item() for n in probe.TENSORS}
+    return [*rows, {"variant": "reference magnitudes", "errors": magnitudes, "error": None}]
 
 
 def _needs(report_fixes: list[dict[str, Any]], live: dict[str, Any]) -> dict[str, Any]:
@@ -224,18 +201,19 @@ def collect(run_gpu: bool = True) -> tuple[dict[str, Any], int]:
         import torch  # noqa: F401
     except Exception as exc:  # noqa: BLE001
         error = f"cannot import diffusers' attention module: {type(exc).__name__}: {exc}"
-        table = release_table()
-        return {"version": __version__, "error": error, "release_table": table, "exit_status": EXIT_NO_DIFFUSERS}, (
-            EXIT_NO_DIFFUSERS
-        )
+        found = {"version": __version__, "error": error, "release_table": release_table()}
+        return {**found, "exit_status": EXIT_NO_DIFFUSERS}, EXIT_NO_DIFFUSERS
 
     import diffusers_cudnn_fix
 
     from . import _probe as probe
+    from . import _registry
 
     data: dict[str, Any] = {"version": __version__, "environment": _environment()}
     before = diffusers_cudnn_fix.status()
-    live = _check_findings()
+    # What the behavioural check sees now, on the installed objects: per fix, state and evidence.
+    checked = _registry.check_live(sys.modules[_registry.MODULE_NAME])
+    live = {fix_id: {"state": f.state, "detail": f.detail} for fix_id, f in checked.items()}
     data["check_after_patching"] = live if before.enabled else {}
     gpu = None
     if run_gpu:
@@ -361,18 +339,15 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
         print("Install diffusers and torch into this interpreter (the one that runs the training), then run the")
         print("doctor again.")
         print("\nThe release table (the releases each fix's bug is known in; the check decides once diffusers runs):")
-        for line in _columns(
-            [("fix", "releases", "kind"), *((r["id"], r["affected"], r["kind"]) for r in data["release_table"])]
-        ):
-            print(line)
+        listed = [(r["id"], r["affected"], r["kind"]) for r in data["release_table"]]
+        print("\n".join(_columns([("fix", "releases", "kind"), *listed])))
         print(f"\nexit status {EXIT_NO_DIFFUSERS}")
         return
     from .fixes import ALL_FIXES
 
     fixes_by_id = {fix.id: fix for fix in ALL_FIXES}
     status = data["status"]
-    for line in _next_step(data):
-        print(line)
+    print("\n".join(_next_step(data)))
 
     env = data["environment"]
     print(
@@ -385,16 +360,14 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
 
     print("\nfixes (table: the release table lists this release; check: what the check found in the shipped code):")
     rows = [("fix", "table", "check", "applied", "result")]
-    outcomes = []
     for f in status["fixes"]:
         table = {True: "affected", False: "not affected", None: "unknown"}[f["expected"]]
         kind = fixes_by_id[f["id"]].kind if f["id"] in fixes_by_id else "correction"
-        outcomes.append(_outcome(f, kind))
         check = data["shipped_check"].get(f["id"], f["detected"])
-        rows.append((f["id"], table, check, "yes" if f["applied"] else "no", outcomes[-1]))
+        rows.append((f["id"], table, check, "yes" if f["applied"] else "no", _outcome(f, kind)))
     lines = _columns(rows)
     print(lines[0])
-    for f, line, outcome in zip(status["fixes"], lines[1:], outcomes, strict=True):
+    for f, line, (*_, outcome) in zip(status["fixes"], lines[1:], rows[1:], strict=True):
         print(line)
         print(_wrap(f["title"], "      "))
         fix = fixes_by_id.get(f["id"])
@@ -420,18 +393,14 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
     rows_gpu = data.get("shipped_vs_corrected")
     if rows_gpu:
         print("\ncuDNN op pair, bf16 B=2 S=16 H=16 D=64, max-abs error vs fp32 eager:")
-        table_rows = [("variant", "out", "dQ", "dK", "dV")]
-        raised = []
+        gpu_table = [("variant", "out", "dQ", "dK", "dV")]
+        for row in rows_gpu:
+            errors = ["raises", "", "", ""] if row["error"] else [f"{row['errors'][t]:.4f}" for t in _TENSORS]
+            gpu_table.append((row["variant"], *errors))
+        print("\n".join(_columns(gpu_table)))
         for row in rows_gpu:
             if row["error"]:
-                table_rows.append((row["variant"], "raises", "", "", ""))
-                raised.append(row)
-            else:
-                table_rows.append((row["variant"], *(f"{row['errors'][t]:.4f}" for t in ("out", "dq", "dk", "dv"))))
-        for line in _columns(table_rows):
-            print(line)
-        for row in raised:
-            print(_wrap(f"{row['variant']} raises {row['error']}", "  "))
+                print(_wrap(f"{row['variant']} raises {row['error']}", "  "))
     if not data["nothing_to_fix"] and status["ok"] and data.get("probe", {}).get("state") == "skipped":
         print(
             "\n"
@@ -453,7 +422,13 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
 # Entry point
 # ------------------------------------------------------------------------------------------------------------
 def _run_command(argv: list[str]) -> int:
-    parser = _run_parser()
+    parser = _Parser(
+        prog=f"{PROG} run",
+        usage=f"{PROG} run [--] COMMAND [ARGS...]",
+        description=RUN_DESCRIPTION,
+        epilog=RUN_EXIT_STATUSES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     if argv[:1] == ["--"]:
         command = argv[1:]
     elif argv[:1] in (["-h"], ["--help"]):

@@ -45,19 +45,9 @@ _WATCHED = {
 #: Parameters of diffusers' templated forward ops (0.36.0 to 0.42.1 spell them the same way); the corrected
 #: forward (``fixes/cudnn_forward_lse.py``) is the one place they are written out as a signature.
 FORWARD_PARAMS = (
-    "ctx",
-    "query",
-    "key",
-    "value",
-    "attn_mask",
-    "dropout_p",
-    "is_causal",
-    "scale",
-    "enable_gqa",
-    "return_lse",
-    "_save_ctx",
-    "_parallel_config",
-)
+    "ctx", "query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa", "return_lse",
+    "_save_ctx", "_parallel_config",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -252,41 +242,25 @@ def _answer(name: str, args: dict[str, Any]) -> tuple[Any, ...]:
     return (torch.empty_like(q), lse, None, None, seq_q, k.shape[2], rng_state, unused, debug)
 
 
+_SEQ_OF = {"query": SEQ_Q, "key": SEQ_KV, "value": SEQ_KV}
+
+
 def kernel_shapes() -> dict[str, tuple[int, ...]]:
     """The (B, H, S, D) shapes the ATen kernels must see for the check's inputs."""
-    return {
-        "query": (BATCH, HEADS, SEQ_Q, HEAD_DIM),
-        "key": (BATCH, HEADS, SEQ_KV, HEAD_DIM),
-        "value": (BATCH, HEADS, SEQ_KV, HEAD_DIM),
-    }
-
-
-def model_shapes() -> dict[str, tuple[int, ...]]:
-    """The (B, S, H, D) shapes of the check's inputs, which the backward's gradients must have."""
-    return {
-        "query": (BATCH, SEQ_Q, HEADS, HEAD_DIM),
-        "key": (BATCH, SEQ_KV, HEADS, HEAD_DIM),
-        "value": (BATCH, SEQ_KV, HEADS, HEAD_DIM),
-    }
+    return {name: (BATCH, HEADS, seq, HEAD_DIM) for name, seq in _SEQ_OF.items()}
 
 
 def _qkv_shapes(call: OpCall) -> dict[str, tuple[int, ...] | None]:
-    infos = {name: call.tensor(name) for name in ("query", "key", "value")}
-    return {name: (info.shape if info else None) for name, info in infos.items()}
+    return {name: getattr(call.tensor(name), "shape", None) for name in ("query", "key", "value")}
 
 
-def check_backward_layout(
-    forward: Callable[..., Any] | None,
-    backward: Callable[..., Any] | None,
-    *,
-    forward_op: str,
-    backward_op: str,
-) -> Finding:
+def check_backward_layout(forward: Any, backward: Any, forward_op: str, backward_op: str) -> Finding:
     """Do q, k, v reach the backward kernel in the layout they reached the forward kernel?
 
-    Runs with ``return_lse=True`` so that a missing log-sum-exp (a separate bug) cannot mask this one.
-    Also checks that ``grad_out`` reaches the kernel with ``out``'s shape and strides and that the
-    gradients come back in model layout.
+    ``forward`` / ``backward``: the op pair (None where missing); ``forward_op`` / ``backward_op``: the
+    watched ATen ops they reach (``CUDNN_FORWARD``, ...). Runs with ``return_lse=True`` so that a missing
+    log-sum-exp (a separate bug) cannot mask this one. Also checks that ``grad_out`` reaches the kernel with
+    ``out``'s shape and strides and that the gradients come back in model layout.
     """
     if forward is None or backward is None:
         return Finding("absent", "the op pair does not exist in this diffusers")
@@ -316,7 +290,8 @@ def check_backward_layout(
     if trace.error is not None:
         return Finding("unknown", f"the backward raised {trace.error}")
     grad_shapes = tuple(tuple(g.shape) if isinstance(g, torch.Tensor) else None for g in (trace.grads or ())[:3])
-    if grad_shapes != tuple(model_shapes().values()):
+    # The gradients come back in the check's (B, S, H, D) model layout.
+    if grad_shapes != tuple((BATCH, seq, HEADS, HEAD_DIM) for seq in _SEQ_OF.values()):
         return Finding("unknown", f"the backward returns gradients of shapes {grad_shapes}")
     return Finding("ok", "q/k/v reach the backward kernel in the forward's (B, H, S, D) layout")
 
@@ -341,8 +316,7 @@ def check_forward_lse(forward: Callable[..., Any] | None, *, forward_op: str) ->
             "so the backward reads an undefined log-sum-exp",
         )
     result = trace.forward_result
-    want = (BATCH, SEQ_Q, HEADS, HEAD_DIM)
-    if not isinstance(result, torch.Tensor) or tuple(result.shape) != want:
+    if not isinstance(result, torch.Tensor) or tuple(result.shape) != (BATCH, SEQ_Q, HEADS, HEAD_DIM):
         return Finding("broken", f"asked for the output only, the forward returned {type(result).__name__}")
     with_lse = run_pair(forward, None, return_lse=True).forward_result
     if not (isinstance(with_lse, tuple) and len(with_lse) == 2):
@@ -474,6 +448,69 @@ def with_stand_ins(fn: Callable[..., Any], shipped: Any, **overrides: Any) -> Ca
 FAKE_MESH = types.SimpleNamespace(get_group=lambda: None)
 
 
+class ReachedOp(Exception):
+    """Raised by :func:`call_ulysses`' stand-in attention op, with the mask it was handed."""
+
+    def __init__(self, mask: Any) -> None:
+        super().__init__("the attention op was reached")
+        self.mask = mask
+
+
+class ReachedCollectives(Exception):
+    """Raised where a forward run on :data:`STOP_MESH` first asks for its process group: it went on to
+    diffusers' code (whose frame the traceback holds)."""
+
+
+def _reach_collectives() -> Any:
+    raise ReachedCollectives
+
+
+#: A DeviceMesh whose group raises :class:`ReachedCollectives`.
+STOP_MESH = types.SimpleNamespace(get_group=_reach_collectives)
+
+
+def _all_gather(out: list[torch.Tensor], tensor: torch.Tensor, group: Any = None) -> None:
+    for part in out:
+        part.copy_(tensor)
+
+
+#: Stand-ins for the collectives of diffusers' Ulysses forward (globals of a copy, :func:`with_globals`).
+ULYSSES_STAND_INS = {
+    "_all_to_all_single": lambda x, group=None: x,
+    "dist": types.SimpleNamespace(all_gather=_all_gather),
+}
+
+
+def _reach_op(ctx: Any, query: Any, key: Any, value: Any, attn_mask: Any, *args: Any, **kwargs: Any) -> Any:
+    raise ReachedOp(attn_mask)
+
+
+def call_ulysses(
+    forward: Any,
+    mask: torch.Tensor,
+    mesh: Any,
+    *,
+    degree: int,
+    forward_op: Any = _reach_op,
+    shape: tuple[int, ...] = (1, 4, 2, 8),
+    dtype: torch.dtype = torch.float32,
+    via: Callable[[Any, tuple[Any, ...]], Any] | None = None,
+    **extra: Any,
+) -> None:
+    """Call a Ulysses ``forward`` as diffusers' dispatch does in training, at Ulysses ``degree`` of 2 ranks on
+    ``mesh`` (``extra``: more attributes of its config), with zero q/k/v of ``shape`` and ``mask``; raises what it
+    raises (the default ``forward_op``: :class:`ReachedOp`). ``via(forward, args)``: the call's frame."""
+    config = types.SimpleNamespace(_ulysses_mesh=mesh, ulysses_degree=degree, _world_size=2, **extra)
+    q, k, v = (torch.zeros(shape, dtype=dtype) for _ in range(3))
+    args = (ProbeCtx(), q, k, v, mask, 0.0, False, None, False, False, forward_op, None)
+    with torch.no_grad():  # as inside autograd.Function.forward
+        (via or _call)(forward, (*args, types.SimpleNamespace(context_parallel_config=config)))
+
+
+def _call(forward: Any, args: tuple[Any, ...]) -> Any:
+    return forward(*args)
+
+
 def run_ulysses_backward(backward: Any, shipped: Any) -> tuple[tuple[Any, ...] | None, str | None]:
     """Run a Ulysses ``backward`` (degree 1, stand-in collectives, a backward op returning empty gradients) in
     this process; returns what it returned, or None and the error. ``shipped``: diffusers' own backward."""
@@ -517,11 +554,22 @@ def installed_ring(lookup: Lookup) -> tuple[Any, Any] | Finding:
 
 
 def run_ring(
-    forward: Any, backward: Any, forward_op: Any, backward_op: Any, *, world: int, gather: Any, permute: Any, shape: Any
+    forward: Any, backward: Any, step: Any, backward_op: Any, *, world: int, gather: Any, permute: Any, shape: Any
 ) -> tuple[Any, Any]:
     """Run a ring ``forward``, then its ``backward``, as rank 0 of ``world`` ranks in this process, with stand-in
     collectives (``gather``, ``permute``) and attention ops on zero q/k/v of ``shape``; the package's corrected
-    ring drives ``backward_op`` as a known step op (its ``STEP_BACKWARD_OPS``). Returns (output, gradients)."""
+    ring drives ``backward_op`` as a known step op (its ``STEP_BACKWARD_OPS``). Returns (output, gradients).
+
+    The stand-in forward op returns ``step(k)``, (output, log-sum-exp) for a step's K, and saves what the
+    0.36-0.39 ops save, in kernel layout."""
+
+    def forward_op(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out, lse = step(k)
+        if kwargs.get("_save_ctx"):
+            kernel = (x.transpose(1, 2).contiguous() for x in (q, k, v, out))
+            ctx.save_for_backward(*kernel, lse.transpose(1, 2).contiguous(), None, None, None, None)
+        return out, lse
+
     collectives = types.SimpleNamespace(
         all_gather_tensor=gather, permute_tensor=permute, AsyncCollectiveTensor=type("AsyncCollectiveTensor", (), {})
     )

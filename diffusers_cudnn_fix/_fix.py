@@ -74,17 +74,17 @@ class Fix:
     checked_after: tuple[str, ...] = ()
 
 
-def release_table_lists(specifier: str, version: str) -> bool | None:
+def release_table_lists(specifier: str, version: str | None) -> bool | None:
     """Whether the release-table ``specifier`` (:attr:`Fix.affected`) admits ``version``.
 
     None for a pre-release or dev build (``0.40.0.dev0``): the table lists releases, and such a build can
     carry either code, which is exactly what the behavioural check is for; None too for a string that is
-    not PEP 440.
+    not PEP 440, or for no version at all (diffusers not imported).
     """
     try:
-        parsed = Version(version)
+        parsed = Version(version) if version is not None else None
     except InvalidVersion:
         return None
-    if parsed.is_prerelease:
+    if parsed is None or parsed.is_prerelease:
         return None
     return SpecifierSet(specifier).contains(parsed)

@@ -114,9 +114,9 @@ def trim(
         or given.shape[1] not in (1, query.shape[2])
         or given.shape[2] not in (1, query.shape[1])
         or given.is_inference()  # no version counter: a plan could not be cached
+        or dropout_p
+        or is_causal
     ):
-        return key, value, mask
-    if dropout_p or is_causal:
         return key, value, mask
     config = getattr(parallel_config, "context_parallel_config", None)
     if getattr(config, "ring_degree", 1) > 1:  # ring attention hands the op K/V chunks (and refuses masks)

@@ -72,7 +72,9 @@ def realigned_all(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def kernel_layout(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """:func:`to_kernel_layout` of each of ``xs``, in one call (the cuDNN forward's hot path)."""
+    """Each of ``xs`` (B, S, H, D) as (B, H, S, D), in one call (the cuDNN forward's hot path): a strided view where
+    the GPU probe verified views on its device and the view is aligned (unit last stride, 16-byte data and
+    strides); else a dense copy, as the shipped ops make."""
     compiling = torch.compiler.is_compiling()
     views = xs[0].is_cuda and not compiling and _devices.zero_copy_allowed(xs[0].device)
     out = []
@@ -84,26 +86,6 @@ def kernel_layout(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x = x.contiguous()
         out.append(x.clone(memory_format=torch.contiguous_format) if compiling or x.data_ptr() % ALIGNMENT else x)
     return tuple(out)
-
-
-def to_kernel_layout(x: torch.Tensor) -> torch.Tensor:
-    """(B, S, H, D) -> (B, H, S, D): a strided view where the GPU probe verified views on ``x``'s device and
-    the view is aligned (unit last stride, 16-byte data and strides); else a dense copy, as the shipped ops
-    make."""
-    x = x.transpose(1, 2)
-    if (
-        x.device.type == "cuda"
-        and not torch.compiler.is_compiling()
-        and aligned(x)
-        and _devices.zero_copy_allowed(x.device)
-    ):
-        return x
-    return realigned(x.contiguous())
-
-
-def to_model_layout(x: torch.Tensor) -> torch.Tensor:
-    """(B, H, S, D) -> dense (B, S, H, D); free when ``x`` already lies in (B, S, H, D) memory."""
-    return x.transpose(1, 2).contiguous()
 
 
 def with_strides_of(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

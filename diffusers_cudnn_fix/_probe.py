@@ -83,7 +83,8 @@ def maybe_probe(device: torch.device) -> None:
     of going on wrong."""
     found = _devices.result(str(device))
     if found is None:
-        if _switches.probe_mode() == "off" or _capturing():
+        # Never while a CUDA graph is captured on the current stream: the probe waits for the next call.
+        if _switches.probe_mode() == "off" or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             return
         if not _lock.acquire(blocking=False):
             return  # a probe is running (this very one, re-entered, or on another thread): never wait
@@ -94,11 +95,6 @@ def maybe_probe(device: torch.device) -> None:
         _announce(found)
     if found.state == "failed" and _switches.probe_mode() == "strict":
         raise UnsafeAttentionError(_failure_message(found) + f"\n(raised because {_switches.PROBE_VAR}=strict)")
-
-
-def _capturing() -> bool:
-    """Whether a CUDA graph is being captured on the current stream (the probe must wait for the next call)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _failure_message(result: ProbeResult) -> str:
@@ -152,8 +148,7 @@ def _probe_locked(device: torch.device, trigger: str) -> ProbeResult:
         if not cases:
             state, reason = "skipped", "diffusers' cuDNN / flash context-parallel ops are not there to probe"
         elif failed:
-            state = "failed"
-            reason = ", ".join(f"{c.backend}/{c.case}" for c in failed) + " outside the pass rule"
+            state, reason = "failed", ", ".join(f"{c.backend}/{c.case}" for c in failed) + " outside the pass rule"
         else:
             state = "passed"
             reason = (
@@ -193,19 +188,14 @@ def _run_all(module: types.ModuleType | None, device: torch.device) -> tuple[lis
             continue
         for case in CASES:
             cases.append(_run_case(module, backend, case, device, "as installed"))
-    if not _corrected_forward_installed(module):
+    forward = getattr(module, "_cudnn_attention_forward_op", None)
+    if not (_registry.is_patched("_cudnn_attention_forward_op") and getattr(forward, "zero_copy", False)):
         return cases, False  # only our corrected cuDNN forward can hand the kernel views
     with _devices.trying_views():
         views = [_run_case(module, "cudnn", case, device, "zero-copy views") for case in CASES]
     cases.extend(views)
     copies_ok = all(c.passed for c in cases if c.backend == "cudnn" and c.layout == "as installed")
     return cases, copies_ok and all(c.passed for c in views)
-
-
-def _corrected_forward_installed(module: types.ModuleType) -> bool:
-    if not _registry.is_patched("_cudnn_attention_forward_op"):
-        return False
-    return bool(getattr(getattr(module, "_cudnn_attention_forward_op", None), "zero_copy", False))
 
 
 class _Harness(torch.autograd.Function):
@@ -248,12 +238,8 @@ def run_pair(forward_op: Any, backward_op: Any, case: tuple[Any, ...], device: t
 def _inputs(case: tuple[Any, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
     _, batch, seq_q, seq_kv, heads, dim = case
     gen = torch.Generator(device=device).manual_seed(1234)
-    shapes = (
-        (batch, seq_q, heads, dim),
-        (batch, seq_kv, heads, dim),
-        (batch, seq_kv, heads, dim),
-        (batch, seq_q, heads, dim),
-    )
+    q_shape, kv_shape = (batch, seq_q, heads, dim), (batch, seq_kv, heads, dim)
+    shapes = (q_shape, kv_shape, kv_shape, q_shape)  # q, k, v, grad_out
     return tuple(torch.randn(s, generator=gen, device=device, dtype=torch.bfloat16) for s in shapes)
 
 

@@ -32,6 +32,10 @@ MODULE_NAME = _switches.MODULE_NAME
 _SCAN_SKIP = frozenset({"torch", "diffusers_cudnn_fix"}) | frozenset(getattr(sys, "stdlib_module_names", ()))
 
 
+#: Why a fix is not applied, by what its check found (broken: applied, or skipped or failed).
+_UNFIXED = {"ok": "not needed", "absent": "not applicable", "unknown": "left alone, behaviour unknown"}
+
+
 @dataclass(frozen=True)
 class _Record:
     """What ``apply`` found and did for one fix."""
@@ -83,12 +87,6 @@ def _diffusers_version() -> str | None:
     mod = sys.modules.get("diffusers")
     version = getattr(mod, "__version__", None)
     return str(version) if version is not None else None
-
-
-def _expected(fix: Fix, version: str | None) -> bool | None:
-    if version is None:
-        return None
-    return release_table_lists(fix.affected, version)
 
 
 def _holder(module: ModuleType, target: str) -> tuple[Any, str]:
@@ -154,10 +152,6 @@ def _applied(module: ModuleType, fix: Fix) -> bool:
     return bool(mine) and all(_ours(module, t) for t in mine)
 
 
-def _all_targets() -> set[str]:
-    return {t for fix in _fixes() for t in fix.targets}
-
-
 def _up_to_date(module: ModuleType, skipped: frozenset[str]) -> bool:
     """Whether the last apply() still describes ``module``: nothing of ours gone, no target changed by someone
     else, and no fix found broken and skipped then that is no longer skipped."""
@@ -169,17 +163,23 @@ def _up_to_date(module: ModuleType, skipped: frozenset[str]) -> bool:
     return not any(r.skipped and r.finding.state == "broken" and i not in skipped for i, r in _state.records.items())
 
 
+def _put_back(module: ModuleType | None, *, say_why: bool) -> None:
+    """Put back the shipped objects in ``module`` (None: nothing to put back) where ours are still installed,
+    and forget what we installed."""
+    for target, original in _state.originals.items():
+        if module is not None and _ours(module, target):
+            _raw_set(module, target, original)
+        elif module is not None and say_why:
+            logger.warning("%s.%s was changed by someone else since we patched it; left as is", MODULE_NAME, target)
+    for kept in (_state.originals, _state.installed, _state.policies, _state.seen, _state.rebound, _state.stale):
+        kept.clear()
+
+
 def _reset(module: ModuleType) -> None:
     """Put back what we installed (where it is still ours) and forget every check: the next apply starts over."""
-    if _state.module is module:
-        for target, original in _state.originals.items():
-            if _ours(module, target):
-                _raw_set(module, target, original)
+    _put_back(module if _state.module is module else None, say_why=False)
     _state.module = module
-    for kept in (_state.originals, _state.installed, _state.policies, _state.records, _state.seen):
-        kept.clear()
-    _state.rebound.clear()
-    _state.stale.clear()
+    _state.records.clear()
 
 
 def apply_to(module: ModuleType, *, scan_references: bool = True) -> None:
@@ -246,11 +246,7 @@ def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> list[str]
             _state.records[fix.id] = _Record(finding, f"{verb}: {finding.detail}", installed=True)
             newly.append(fix.id)
         else:
-            reason = {
-                "ok": f"not needed: {finding.detail}",
-                "absent": f"not applicable: {finding.detail}",
-                "unknown": f"left alone, behaviour unknown: {finding.detail}",
-            }[finding.state]
+            reason = f"{_UNFIXED[finding.state]}: {finding.detail}"
             _state.records[fix.id] = _Record(finding, reason)
             if finding.state == "unknown":
                 report(
@@ -258,7 +254,7 @@ def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> list[str]
                     "context parallelism may give wrong gradients; please report your diffusers version.",
                     FixNotAppliedWarning,
                 )
-    _state.seen = {t: raw_get(module, t) for t in _all_targets()}
+    _state.seen = {t: raw_get(module, t) for fix in fixes for t in fix.targets}
     return newly
 
 
@@ -283,10 +279,8 @@ def _build(module: ModuleType, wanted: set[str]) -> tuple[dict[str, Any], dict[s
             if verified.state != "ok":
                 failed[fix_id] = verified.detail
         if not wanted & set(failed):
-            reasons = {
-                i: f"found broken, but the replacement did not pass the same check ({d})" for i, d in failed.items()
-            }
-            return built, reasons
+            why = "found broken, but the replacement did not pass the same check"
+            return built, {i: f"{why} ({detail})" for i, detail in failed.items()}
         wanted -= set(failed)
 
 
@@ -340,7 +334,7 @@ def _announce(newly: list[str]) -> None:
     version = _diffusers_version()
     for fix in _fixes():
         record = _state.records.get(fix.id)
-        expected = _expected(fix, version)
+        expected = release_table_lists(fix.affected, version)
         if record is None or expected is None or fix.id in _state.mismatches_reported:
             continue
         state = record.finding.state
@@ -384,21 +378,11 @@ def revert() -> Report:
     with _state.lock:
         module = _state.module
         if module is not None:
-            for target, original in _state.originals.items():
-                if _ours(module, target):
-                    _raw_set(module, target, original)
-                else:
-                    logger.warning(
-                        "%s.%s was changed by someone else since we patched it; left as is", MODULE_NAME, target
-                    )
             for mod_name, global_name, original, ours in _state.rebound:
                 namespace = getattr(sys.modules.get(mod_name), "__dict__", None)
                 if isinstance(namespace, dict) and namespace.get(global_name) is ours:
                     namespace[global_name] = original
-            for kept in (_state.originals, _state.installed, _state.policies, _state.seen):
-                kept.clear()
-            _state.rebound.clear()
-            _state.stale.clear()
+            _put_back(module, say_why=True)
             for fix_id, record in list(_state.records.items()):
                 _state.records[fix_id] = _Record(record.finding, "reverted by revert()", record.skipped)
         return status()
@@ -452,18 +436,8 @@ def status() -> Report:
                 reason = "was fixed, but the module no longer holds our replacement (reloaded?): call apply()"
             if applied and fix.note is not None:
                 reason = f"{reason} [{fix.note()}]"
-            fixes.append(
-                FixStatus(
-                    id=fix.id,
-                    title=fix.title,
-                    upstream=fix.upstream,
-                    affected=fix.affected,
-                    expected=_expected(fix, version),
-                    detected=detected,
-                    applied=applied,
-                    reason=reason,
-                )
-            )
+            expected = release_table_lists(fix.affected, version)
+            fixes.append(FixStatus(fix.id, fix.title, fix.upstream, fix.affected, expected, detected, applied, reason))
         torch_mod = sys.modules.get("torch")
         probes: tuple[Any, ...] = ()
         if fixes and torch_mod is not None:

@@ -68,7 +68,7 @@ def test_strict_mode_raises_at_every_call_after_a_failed_probe() -> None:
 
 
 def test_views_only_where_verified_and_unit_stride() -> None:
-    from diffusers_cudnn_fix._layout import to_kernel_layout
+    from diffusers_cudnn_fix._layout import kernel_layout
 
     # On CPU the corrected ops always copy; the rule itself is read off _devices.
     _devices.record(_devices.ProbeResult("cuda:0", "passed", "", zero_copy=True))
@@ -77,4 +77,4 @@ def test_views_only_where_verified_and_unit_stride() -> None:
     with _devices.trying_views():
         assert _devices.zero_copy_allowed(torch.device("cuda", 1))
     x = torch.zeros(2, 5, 3, 8)
-    assert to_kernel_layout(x).is_contiguous()
+    assert kernel_layout(x)[0].is_contiguous()

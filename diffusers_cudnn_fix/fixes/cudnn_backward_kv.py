@@ -59,9 +59,5 @@ def corrected_backward(ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: A
 
 
 def check(lookup: Lookup) -> Finding:
-    return _detect.check_backward_layout(
-        lookup("_cudnn_attention_forward_op"),
-        lookup(TARGET),
-        forward_op=_detect.CUDNN_FORWARD,
-        backward_op=_detect.CUDNN_BACKWARD,
-    )
+    forward = lookup("_cudnn_attention_forward_op")
+    return _detect.check_backward_layout(forward, lookup(TARGET), _detect.CUDNN_FORWARD, _detect.CUDNN_BACKWARD)

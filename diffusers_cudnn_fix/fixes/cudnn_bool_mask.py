@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
-import types
+import traceback
 import warnings
 import weakref
 from typing import Any
@@ -186,35 +186,18 @@ def check(lookup: Lookup) -> Finding:
     )
 
 
-class _StopAtCollectives(Exception):
-    """Raised where diffusers' Ulysses code first asks for its process group, before it touches the mask."""
-
-
-def _stop_at_collectives() -> None:
-    raise _StopAtCollectives
-
-
 def _mask_entering_ulysses(ulysses: Any, forward_op: Any) -> torch.Tensor | str:
     """The mask diffusers' own Ulysses forward receives when the installed one is called with a bool mask and
     ``forward_op`` (read off the frame that asks for the process group, diffusers' own); a text if not reached."""
-    mesh = types.SimpleNamespace(get_group=_stop_at_collectives)
-    config = types.SimpleNamespace(
-        context_parallel_config=types.SimpleNamespace(
-            _ulysses_mesh=mesh, ulysses_degree=2, ring_degree=1, _world_size=2, ulysses_anything=False
-        )
-    )
-    q, k, v = (torch.zeros(_detect.BATCH, _detect.SEQ_Q, _detect.HEADS, _detect.HEAD_DIM, dtype=torch.bfloat16)
-               for _ in range(3))  # fmt: skip
+    shape = (_detect.BATCH, _detect.SEQ_Q, _detect.HEADS, _detect.HEAD_DIM)
     mask = torch.ones(_detect.BATCH, 1, _detect.SEQ_Q, _detect.SEQ_Q, dtype=torch.bool)
     try:
-        with torch.no_grad():  # as inside autograd.Function.forward
-            ulysses(_detect.ProbeCtx(), q, k, v, mask, 0.0, False, None, False, False, forward_op, None, config)
-    except _StopAtCollectives as stop:
-        frames = []
-        tb = stop.__traceback__
-        while tb is not None:
-            frames.append(tb.tb_frame)
-            tb = tb.tb_next
+        _detect.call_ulysses(
+            ulysses, mask, _detect.STOP_MESH, degree=2, forward_op=forward_op, shape=shape, dtype=torch.bfloat16,
+            ring_degree=1, ulysses_anything=False,
+        )  # fmt: skip
+    except _detect.ReachedCollectives as stop:
+        frames = [frame for frame, _ in traceback.walk_tb(stop.__traceback__)]
         if len(frames) < 2 or frames[-2].f_globals.get("__name__") != _switches.MODULE_NAME:
             return "diffusers' own forward was not reached"
         entering = frames[-2].f_locals.get("attn_mask")

@@ -51,14 +51,11 @@ def check(lookup: Lookup) -> Finding:
     if not _detect.signature_matches(forward, _detect.FORWARD_PARAMS) or not _detect.backward_signature_ok(backward):
         return Finding("unknown", "the forward/backward op signatures differ from every known release")
     b, s_q, h, d = _detect.BATCH, _detect.SEQ_Q, _detect.HEADS, _detect.HEAD_DIM
-    qkv = (
-        torch.zeros(b, s_q, h, d, dtype=torch.bfloat16),
-        torch.zeros(b, 1, h, d, dtype=torch.bfloat16),
-        torch.zeros(b, 1, h, d, dtype=torch.bfloat16),
-    )
+    q = torch.zeros(b, s_q, h, d, dtype=torch.bfloat16)
+    k, v = (torch.zeros(b, 1, h, d, dtype=torch.bfloat16) for _ in range(2))  # one key/value position
     mask = torch.zeros(b, 1, s_q, 1, dtype=torch.bfloat16)
     mask[:, :, -1] = float("-inf")  # the last query row sees no key
-    trace = _detect.run_pair(forward, backward, return_lse=True, mask=mask, qkv=qkv, grad_value=1.0)
+    trace = _detect.run_pair(forward, backward, return_lse=True, mask=mask, qkv=(q, k, v), grad_value=1.0)
     call = trace.first(_detect.CUDNN_BACKWARD)
     if call is None:
         return Finding("unknown", f"the backward never reached the cuDNN kernel ({trace.error or 'no call'})")

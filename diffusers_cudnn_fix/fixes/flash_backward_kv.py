@@ -51,9 +51,5 @@ def corrected_backward(ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: A
 
 
 def check(lookup: Lookup) -> Finding:
-    return _detect.check_backward_layout(
-        lookup("_native_flash_attention_forward_op"),
-        lookup(TARGET),
-        forward_op=_detect.FLASH_FORWARD,
-        backward_op=_detect.FLASH_BACKWARD,
-    )
+    forward = lookup("_native_flash_attention_forward_op")
+    return _detect.check_backward_layout(forward, lookup(TARGET), _detect.FLASH_FORWARD, _detect.FLASH_BACKWARD)

@@ -9,7 +9,9 @@ order and refuses, naming the layout, a mask it cannot map that masks something 
 
 from __future__ import annotations
 
+import functools
 import sys
+import traceback
 import types
 import weakref
 from collections.abc import Mapping
@@ -95,10 +97,7 @@ def _masks_something(mask: torch.Tensor) -> bool:
     last = _last
     if last is not None and last[0]() is mask and last[1] == mask._version:
         return last[2]
-    if mask.dtype == torch.bool:
-        masks = not bool(mask.all())
-    else:
-        masks = bool(mask.ne(0).any())
+    masks = not bool(mask.all()) if mask.dtype == torch.bool else bool(mask.ne(0).any())
     if not mask.is_inference():  # an inference tensor has no version counter
         _last = (weakref.ref(mask), mask._version, masks)
     return masks
@@ -133,9 +132,7 @@ def _unsharded_qwen_loaded() -> bool:
 
 def _plan_shards_the_mask(plan: Any) -> bool:
     """Whether a ``_cp_plan`` names ``encoder_hidden_states_mask`` among the inputs it splits."""
-    if not isinstance(plan, Mapping):
-        return False
-    return any(isinstance(entry, Mapping) and MASK_INPUT in entry for entry in plan.values())
+    return isinstance(plan, Mapping) and any(isinstance(e, Mapping) and MASK_INPUT in e for e in plan.values())
 
 
 def _qwen_frame(frame: types.FrameType | None) -> types.FrameType | None:
@@ -225,20 +222,6 @@ def _in_kv_order(
     return mask
 
 
-class _ReachedOp(Exception):
-    def __init__(self, mask: Any) -> None:
-        super().__init__("the attention op was reached")
-        self.mask = mask
-
-
-class _ReachedCollectives(Exception):
-    """The forward asked for its process group: it went on to diffusers' code."""
-
-
-def _raise_reached_collectives() -> Any:
-    raise _ReachedCollectives
-
-
 def _call(forward: Any, args: tuple[Any, ...], seq_txt: int) -> Any:
     """Calls ``forward``; the check runs a copy whose module globals look like QwenImage's (the reorder reads
     the calling frame's module) and whose locals carry the processor's text length, as QwenImage's do."""
@@ -275,36 +258,22 @@ def _padded_global_mask() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _qwen_call(forward: Any, mesh: Any, mask: torch.Tensor) -> None:
     """Calls ``forward`` at Ulysses degree 2 with ``mask`` from a stand-in of QwenImage's attention processor;
-    raises what the forward raises. The attention op raises :class:`_ReachedOp` with the mask it got."""
-
-    def forward_op(ctx: Any, query: Any, key: Any, value: Any, attn_mask: Any, *args: Any, **kwargs: Any) -> Any:
-        raise _ReachedOp(attn_mask)
-
-    config = types.SimpleNamespace(_ulysses_mesh=mesh, ulysses_degree=_WORLD, _world_size=_WORLD)
-    q, k, v = (torch.zeros(_BATCH, _SEQ, _HEADS, _DIM) for _ in range(3))
+    raises what the forward raises. The attention op raises ``_detect.ReachedOp`` with the mask it got."""
     model = type(QWEN_MODEL, (), {"_cp_plan": {"transformer_blocks.0": {"hidden_states": None}}})
     call_from_qwen = _detect.with_globals(_call, __name__=QWEN_MODULE, **{QWEN_MODEL: model})
-    parallel_config = types.SimpleNamespace(context_parallel_config=config)
-    args = (types.SimpleNamespace(), q, k, v, mask, 0.0, False, None, False, False, forward_op, None, parallel_config)
-    with torch.no_grad():  # as inside autograd.Function.forward
-        call_from_qwen(forward, args, _TEXT_LOCAL)
+    via = functools.partial(call_from_qwen, seq_txt=_TEXT_LOCAL)
+    _detect.call_ulysses(forward, mask, mesh, degree=_WORLD, shape=(_BATCH, _SEQ, _HEADS, _DIM), via=via)
 
 
 def _shipped_gathers(shipped: Any) -> bool | str:
     """Whether diffusers' own forward (the innermost, run with stand-in collectives) gathers a sequence-local
     mask before the op (False where it hands the op the very mask it got); a text if it cannot be run."""
-
-    def all_gather(out: list[torch.Tensor], tensor: torch.Tensor, group: Any = None) -> None:
-        for part in out:
-            part.copy_(tensor)
-
     if not isinstance(shipped, types.FunctionType):
         return f"the innermost forward is a {type(shipped).__name__}, not a function"
-    stand_ins = {"_all_to_all_single": lambda x, group=None: x, "dist": types.SimpleNamespace(all_gather=all_gather)}
     mask = _padded_local_mask()
     try:
-        _qwen_call(_detect.with_globals(shipped, **stand_ins), _detect.FAKE_MESH, mask)
-    except _ReachedOp as reached:
+        _qwen_call(_detect.with_globals(shipped, **_detect.ULYSSES_STAND_INS), _detect.FAKE_MESH, mask)
+    except _detect.ReachedOp as reached:
         if reached.mask is mask:
             return False
         if isinstance(reached.mask, torch.Tensor) and reached.mask.shape[-1] == _SEQ * _WORLD:
@@ -319,16 +288,14 @@ def _mask_entering_shipped(forward: Any, shipped: Any, mask: torch.Tensor) -> to
     """The mask diffusers' own forward receives when the installed ``forward`` is called from QwenImage's
     stand-in with ``mask`` (read off diffusers' frame where it asks for its process group); a text if not."""
     try:
-        _qwen_call(forward, types.SimpleNamespace(get_group=_raise_reached_collectives), mask)
-    except _ReachedCollectives as stop:
-        tb = stop.__traceback__
-        while tb is not None:
-            if tb.tb_frame.f_code is getattr(shipped, "__code__", None):
-                entering = tb.tb_frame.f_locals.get("attn_mask")
+        _qwen_call(forward, _detect.STOP_MESH, mask)
+    except _detect.ReachedCollectives as stop:
+        for frame, _ in traceback.walk_tb(stop.__traceback__):
+            if frame.f_code is getattr(shipped, "__code__", None):
+                entering = frame.f_locals.get("attn_mask")
                 return entering if isinstance(entering, torch.Tensor) else f"it received {entering!r}"
-            tb = tb.tb_next
         return "diffusers' own forward was not reached"
-    except _ReachedOp:
+    except _detect.ReachedOp:
         return "the op was reached without diffusers' own forward asking for its process group"
     return "the forward returned without asking for its process group"
 

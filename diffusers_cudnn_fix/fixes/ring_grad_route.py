@@ -61,13 +61,6 @@ def _drive(forward: Any, backward: Any) -> tuple[list[int], list[list[int]], tor
     chunks: list[int] = []
     routes: list[list[int]] = []
 
-    def forward_op(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *a: Any, **kw: Any) -> Any:
-        out, lse = k + 1.0, k[..., 0].clone()
-        if kw.get("_save_ctx"):
-            kernel = (x.transpose(1, 2).contiguous() for x in (q, k, v, out))
-            ctx.save_for_backward(*kernel, lse.transpose(1, 2).contiguous(), None, None, None, None)
-        return out, lse
-
     def backward_op(ctx: Any, grad: torch.Tensor, *a: Any, **kw: Any) -> tuple[torch.Tensor, ...]:
         key = kw["key"] if kw.get("key") is not None else ctx.saved_tensors[1]
         chunk = round(float(key.float().mean()))
@@ -86,9 +79,9 @@ def _drive(forward: Any, backward: Any) -> tuple[list[int], list[list[int]], tor
 
     try:
         _, grads = _detect.run_ring(
-            forward, backward, forward_op, backward_op, world=_WORLD, permute=permute_tensor,
+            forward, backward, lambda k: (k + 1.0, k[..., 0].clone()), backward_op, world=_WORLD,
+            permute=permute_tensor, shape=(_BATCH, _SEQ, _HEADS, _DIM),
             gather=lambda x, gather_dim=0, group=None: torch.cat([x + r for r in range(_WORLD)]),
-            shape=(_BATCH, _SEQ, _HEADS, _DIM),
         )  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - the package's refusal, or an unknown build: the caller decides
         return chunks, routes, None, f"{type(exc).__name__}: {exc}"

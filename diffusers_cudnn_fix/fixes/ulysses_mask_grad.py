@@ -10,7 +10,6 @@ requires grad, under ``torch.no_grad()`` too (it cannot be told apart there; doc
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
@@ -38,34 +37,14 @@ def refuse_mask_grad(attn_mask: torch.Tensor) -> None:
         raise UnsafeAttentionError(MESSAGE)
 
 
-class _ReachedOp(Exception):
-    """The forward handed the mask on to the attention op: it did not refuse it."""
-
-
 def _forward_refuses(forward: Any, shipped: Any) -> tuple[bool | None, str | None]:
     """Whether ``forward`` refuses a mask that requires grad (Ulysses degree 1, stand-in collectives)."""
-    batch, seq, heads, dim = 1, 4, 2, 8
-
-    def forward_op(*args: Any, **kwargs: Any) -> Any:
-        raise _ReachedOp
-
-    def all_gather(out: list[torch.Tensor], tensor: torch.Tensor, group: Any = None) -> None:
-        for part in out:
-            part.copy_(tensor)
-
-    stand_ins = {"_all_to_all_single": lambda x, group=None: x, "dist": types.SimpleNamespace(all_gather=all_gather)}
-    run = _detect.with_stand_ins(forward, shipped, **stand_ins)
-    config = types.SimpleNamespace(_ulysses_mesh=_detect.FAKE_MESH, ulysses_degree=1, _world_size=2)
-    parallel_config = types.SimpleNamespace(context_parallel_config=config)
-    ctx = types.SimpleNamespace()
-    q, k, v = (torch.zeros(batch, seq, heads, dim) for _ in range(3))
-    mask = torch.zeros(batch, 1, seq, seq, requires_grad=True)
+    run = _detect.with_stand_ins(forward, shipped, **_detect.ULYSSES_STAND_INS)
     try:
-        with torch.no_grad():  # as inside autograd.Function.forward
-            run(ctx, q, k, v, mask, 0.0, False, None, False, False, forward_op, None, parallel_config)
+        _detect.call_ulysses(run, torch.zeros(1, 1, 4, 4, requires_grad=True), _detect.FAKE_MESH, degree=1)
     except UnsafeAttentionError:
         return True, None
-    except _ReachedOp:
+    except _detect.ReachedOp:
         return False, None
     except Exception as exc:  # noqa: BLE001 - an unknown build: say so
         return None, f"{type(exc).__name__}: {exc}"

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .._detect import RING_CLASS, RING_FORWARD_PARAMS, Lookup
-from .._layout import realigned, to_kernel_layout, with_strides_of
+from .._layout import kernel_layout, realigned, with_strides_of
 from .._warnings import UnsafeAttentionError
 from ..fixes import ring_backward, ring_grad_route
 
@@ -187,7 +187,7 @@ def saved_step_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tuple[t
     # What the forward op saved (kernel layout): q, the local K/V, then the rest as the op keeps it. The
     # step's output and log-sum-exp are replaced by the merged ones, laid out as the kernel takes them.
     query, key, value, _, _, *rest = ctx.saved_tensors
-    out = to_kernel_layout(record.out)
+    (out,) = kernel_layout(record.out)
     lse = record.lse.to(torch.float32).transpose(1, 2).contiguous()
     # grad_out laid out as the op will hand it to the kernel (out's strides): copied once, not per step.
     grad_out = with_strides_of(grad_out.transpose(1, 2), out).transpose(1, 2)
