@@ -14,7 +14,7 @@ import importlib.util
 import sys
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,13 @@ _SCAN_SKIP = frozenset({"torch", "diffusers_cudnn_fix"}) | frozenset(getattr(sys
 
 #: Why a fix is not applied, by what its check found (broken: applied, or skipped or failed).
 _UNFIXED = {"ok": "not needed", "absent": "not applicable", "unknown": "left alone, behaviour unknown"}
+
+#: What the release table says against the check, by (state found, release listed as carrying the bug).
+_MISMATCHES: dict[tuple[str, bool | None], str] = {
+    ("absent", True): "carries '{}', but the functions it patches are not there (renamed?): nothing to fix",
+    ("ok", True): "carries '{}', but the installed code does not; acting on the code",
+    ("broken", False): "does not carry '{}', but the installed code does; acting on the code",
+}
 
 
 @dataclass(frozen=True)
@@ -68,9 +75,7 @@ _state = _State()
 
 def _fixes() -> tuple[Fix, ...]:
     """Every fix; none where torch is not installed (then there is nothing to check or fix)."""
-    if "torch" not in sys.modules and importlib.util.find_spec("torch") is None:
-        return ()
-    return ALL_FIXES
+    return ALL_FIXES if "torch" in sys.modules or importlib.util.find_spec("torch") is not None else ()
 
 
 def check_of(fix: Fix) -> Any:
@@ -78,33 +83,21 @@ def check_of(fix: Fix) -> Any:
     return importlib.import_module(f"{__package__}.fixes.{fix.id}").check
 
 
-def _skip_spellings() -> dict[str, str]:
-    """Every spelling ``DIFFUSERS_CUDNN_FIX_SKIP`` accepts (ids and old ids) -> the fix id."""
-    return {name: fix.id for fix in _fixes() for name in (fix.id, *fix.old_ids)}
-
-
 def _diffusers_version() -> str | None:
-    mod = sys.modules.get("diffusers")
-    version = getattr(mod, "__version__", None)
-    return str(version) if version is not None else None
+    version = getattr(sys.modules.get("diffusers"), "__version__", None)
+    return None if version is None else str(version)
 
 
-def _holder(module: ModuleType, target: str) -> tuple[Any, str]:
-    *path, name = target.split(".")
-    holder: Any = module
-    for part in path:
-        holder = getattr(holder, part, None)
-    return holder, name
+def _holder(module: ModuleType | None, target: str) -> tuple[Any, str]:
+    """What holds ``target`` (the module, or the class of ``Class.attr``; None if missing), and its name there."""
+    owner, _, name = target.rpartition(".")
+    return (getattr(module, owner, None) if owner else module), name
 
 
-def raw_get(module: ModuleType, target: str) -> Any:
+def raw_get(module: ModuleType | None, target: str) -> Any:
     """The object stored at ``target`` (a class's own ``__dict__`` entry for ``Class.attr``), or None."""
     holder, name = _holder(module, target)
-    if holder is None:
-        return None
-    if isinstance(holder, type):
-        return holder.__dict__.get(name)
-    return getattr(holder, name, None)
+    return holder.__dict__.get(name) if isinstance(holder, type) else getattr(holder, name, None)
 
 
 def _raw_set(module: ModuleType, target: str, value: Any) -> None:
@@ -117,23 +110,20 @@ def callable_of(obj: Any) -> Any:
     return obj.__func__ if isinstance(obj, staticmethod) else obj
 
 
+@dataclass
 class Objects:
     """A check's view of diffusers' module: ``candidates`` (replacements being verified) where given, else what
     diffusers shipped; ``shipped(name)`` always what diffusers shipped."""
 
-    def __init__(self, module: ModuleType, candidates: dict[str, Any] | None = None) -> None:
-        self.module = module
-        self.candidates = candidates or {}
+    module: ModuleType
+    candidates: dict[str, Any] = field(default_factory=dict)
 
     def shipped(self, name: str) -> Any:
-        if name in _state.originals and _state.module is self.module:
-            return callable_of(_state.originals[name])
-        return callable_of(raw_get(self.module, name))
+        kept = _state.originals if _state.module is self.module else {}
+        return callable_of(kept[name] if name in kept else raw_get(self.module, name))
 
     def __call__(self, name: str) -> Any:
-        if name in self.candidates:
-            return callable_of(self.candidates[name])
-        return self.shipped(name)
+        return callable_of(self.candidates[name]) if name in self.candidates else self.shipped(name)
 
 
 def check_live(module: ModuleType) -> dict[str, Finding]:
@@ -143,11 +133,11 @@ def check_live(module: ModuleType) -> dict[str, Finding]:
         return {fix.id: check_of(fix)(Objects(module, installed)) for fix in _fixes()}
 
 
-def _ours(module: ModuleType, target: str) -> bool:
+def _ours(module: ModuleType | None, target: str) -> bool:
     return target in _state.installed and raw_get(module, target) is _state.installed[target]
 
 
-def _applied(module: ModuleType, fix: Fix) -> bool:
+def _applied(module: ModuleType | None, fix: Fix) -> bool:
     mine = [t for t in fix.targets if fix.id in _state.policies.get(t, ())]
     return bool(mine) and all(_ours(module, t) for t in mine)
 
@@ -163,13 +153,18 @@ def _up_to_date(module: ModuleType, skipped: frozenset[str]) -> bool:
     return not any(r.skipped and r.finding.state == "broken" and i not in skipped for i, r in _state.records.items())
 
 
-def _put_back(module: ModuleType | None, *, say_why: bool) -> None:
+def _put_back(module: ModuleType | None, *, reverting: bool) -> None:
     """Put back the shipped objects in ``module`` (None: nothing to put back) where ours are still installed,
-    and forget what we installed."""
+    and forget what we installed. ``reverting``: also the globals we rebound, and say what someone else
+    changed since."""
+    for mod_name, global_name, original, ours in _state.rebound if reverting else ():
+        namespace = getattr(sys.modules.get(mod_name), "__dict__", None)
+        if isinstance(namespace, dict) and namespace.get(global_name) is ours:
+            namespace[global_name] = original
     for target, original in _state.originals.items():
         if module is not None and _ours(module, target):
             _raw_set(module, target, original)
-        elif module is not None and say_why:
+        elif module is not None and reverting:
             logger.warning("%s.%s was changed by someone else since we patched it; left as is", MODULE_NAME, target)
     for kept in (_state.originals, _state.installed, _state.policies, _state.seen, _state.rebound, _state.stale):
         kept.clear()
@@ -177,7 +172,7 @@ def _put_back(module: ModuleType | None, *, say_why: bool) -> None:
 
 def _reset(module: ModuleType) -> None:
     """Put back what we installed (where it is still ours) and forget every check: the next apply starts over."""
-    _put_back(module if _state.module is module else None, say_why=False)
+    _put_back(module if _state.module is module else None, reverting=False)
     _state.module = module
     _state.records.clear()
 
@@ -191,25 +186,25 @@ def apply_to(module: ModuleType, *, scan_references: bool = True) -> None:
     with _state.lock:
         if not _switches.enabled():
             return
-        skipped = _switches.skipped_fixes(_skip_spellings())
+        # Every spelling DIFFUSERS_CUDNN_FIX_SKIP accepts (ids and old ids) -> the fix id.
+        skipped = _switches.skipped_fixes({name: fix.id for fix in _fixes() for name in (fix.id, *fix.old_ids)})
         if _up_to_date(module, skipped):
             return
         _reset(module)
         try:
-            newly = _check_and_install(module, skipped)
+            _check_and_install(module, skipped)
         except BaseException:
             _reset(module)  # nothing half-applied
             raise
-        if newly and scan_references:
+        if scan_references:
             _rebind_references(module)
-        _announce(newly)
+        _announce(module)
 
 
-def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> list[str]:
-    """Check every fix on the shipped code, build and verify the replacements, install them; the fixes applied."""
+def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> None:
+    """Check every fix on the shipped code, build and verify the replacements, install them; record each fix."""
     fixes = _fixes()
-    shipped = Objects(module)
-    findings = {fix.id: check_of(fix)(shipped) for fix in fixes if not fix.checked_after}
+    findings = {fix.id: check_of(fix)(Objects(module)) for fix in fixes if not fix.checked_after}
     wanted = {i for i, f in findings.items() if f.state == "broken" and i not in skipped}
     later = [fix for fix in fixes if fix.checked_after]  # checks that must see other fixes' replacements
     built: dict[str, Any] = {}
@@ -220,42 +215,39 @@ def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> list[str]
     more = {f.id for f in later if findings[f.id].state == "broken" and f.id not in skipped}
     if more or not built:
         built, failed = _build(module, wanted | more)
-    policies = {t: frozenset(f.id for f in fixes if t in f.targets and f.id in wanted | more) for t in built}
+    applied = (wanted | more) - failed.keys()
     for target, new in built.items():
         _state.originals[target] = raw_get(module, target)
         _raw_set(module, target, new)
         _state.installed[target] = new
-        _state.policies[target] = policies[target] - set(failed)
-    newly = []
+        _state.policies[target] = frozenset(f.id for f in fixes if target in f.targets and f.id in applied)
     for fix in fixes:
-        finding = findings[fix.id]
+        finding, warning = findings[fix.id], ""
         if fix.id in skipped:
             # Checked all the same, so that the report says whether skipping leaves a bug in place.
-            _state.records[fix.id] = _Record(finding, f"skipped by {_switches.SKIP_VAR}", skipped=True)
+            record = _Record(finding, f"skipped by {_switches.SKIP_VAR}", skipped=True)
             if finding.state == "broken":
-                report(
-                    f"diffusers_cudnn_fix: '{fix.id}' ({fix.title}) is broken in the installed diffusers and "
-                    f"left unfixed because {_switches.SKIP_VAR} names it.",
-                    FixNotAppliedWarning,
+                warning = (
+                    f"'{fix.id}' ({fix.title}) is broken in the installed diffusers and left unfixed because "
+                    f"{_switches.SKIP_VAR} names it"
                 )
         elif fix.id in failed:
-            _state.records[fix.id] = _Record(finding, failed[fix.id])
-            report(f"diffusers_cudnn_fix: '{fix.id}' NOT applied: {failed[fix.id]}.", FixNotAppliedWarning)
+            record = _Record(finding, failed[fix.id])
+            warning = f"'{fix.id}' NOT applied: {failed[fix.id]}"
         elif finding.state == "broken":
             verb = "fixed" if fix.kind == "correction" else "guarded"
-            _state.records[fix.id] = _Record(finding, f"{verb}: {finding.detail}", installed=True)
-            newly.append(fix.id)
+            record = _Record(finding, f"{verb}: {finding.detail}", installed=True)
         else:
-            reason = f"{_UNFIXED[finding.state]}: {finding.detail}"
-            _state.records[fix.id] = _Record(finding, reason)
+            record = _Record(finding, f"{_UNFIXED[finding.state]}: {finding.detail}")
             if finding.state == "unknown":
-                report(
-                    f"diffusers_cudnn_fix: '{fix.id}' ({fix.title}) {reason}. Training with this backend under "
-                    "context parallelism may give wrong gradients; please report your diffusers version.",
-                    FixNotAppliedWarning,
+                warning = (
+                    f"'{fix.id}' ({fix.title}) {record.reason}. Training with this backend under context "
+                    "parallelism may give wrong gradients; please report your diffusers version"
                 )
+        _state.records[fix.id] = record
+        if warning:
+            report(f"diffusers_cudnn_fix: {warning}.", FixNotAppliedWarning)
     _state.seen = {t: raw_get(module, t) for fix in fixes for t in fix.targets}
-    return newly
 
 
 def _build(module: ModuleType, wanted: set[str]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -274,33 +266,28 @@ def _build(module: ModuleType, wanted: set[str]) -> tuple[dict[str, Any], dict[s
                 detail = f"building the replacement failed: {type(exc).__name__}: {exc}"
                 failed.update(dict.fromkeys(ids, detail))
         candidates = Objects(module, built)
-        for fix_id in wanted - set(failed):
-            verified = check_of(next(f for f in _fixes() if f.id == fix_id))(candidates)
-            if verified.state != "ok":
-                failed[fix_id] = verified.detail
-        if not wanted & set(failed):
+        verified = {f.id: check_of(f)(candidates) for f in _fixes() if f.id in wanted and f.id not in failed}
+        failed.update({fix_id: found.detail for fix_id, found in verified.items() if found.state != "ok"})
+        if not wanted & failed.keys():
             why = "found broken, but the replacement did not pass the same check"
             return built, {i: f"{why} ({detail})" for i, detail in failed.items()}
-        wanted -= set(failed)
+        wanted -= failed.keys()
 
 
-def _module_namespaces(skip: ModuleType) -> Iterator[tuple[str, dict[str, Any]]]:
+def _scanned_namespaces(skip: ModuleType) -> Iterator[tuple[str, dict[str, Any]]]:
     """Namespaces of diffusers' own modules and of the user's code: third-party packages are skipped."""
     for name, mod in list(sys.modules.items()):
-        namespace = getattr(mod, "__dict__", None) if mod is not None and mod is not skip else None
-        if isinstance(namespace, dict) and _scanned_package(name.partition(".")[0]):
+        namespace = getattr(mod, "__dict__", None)
+        if mod is not skip and isinstance(namespace, dict) and _scanned_package(name.partition(".")[0]):
             yield name, namespace
 
 
 def _scanned_package(top: str) -> bool:
-    if top == "diffusers":
-        return True
-    if top in _SCAN_SKIP:
-        return False
-    namespace = getattr(sys.modules.get(top), "__dict__", None)
     # Read the namespace, not the attribute: a lazy module's __getattr__ must not run (it may import).
+    namespace = getattr(sys.modules.get(top), "__dict__", None)
     path = (namespace.get("__file__") if isinstance(namespace, dict) else None) or ""
-    return not ("site-packages" in path or "dist-packages" in path)
+    third_party = top in _SCAN_SKIP or "site-packages" in path or "dist-packages" in path
+    return top == "diffusers" or not third_party
 
 
 def _rebind_references(module: ModuleType) -> None:
@@ -309,13 +296,14 @@ def _rebind_references(module: ModuleType) -> None:
     by_id = {id(orig): t for t, orig in _state.originals.items() if orig is not None and "." not in t}
     if not by_id:
         return
-    for mod_name, namespace in _module_namespaces(module):
+    for mod_name, namespace in _scanned_namespaces(module):
         for global_name, value in list(namespace.items()):
-            target = by_id.get(id(value))
-            if target is None or value is not _state.originals[target]:
+            target = by_id.get(id(value))  # the originals are alive: the same id is the same object
+            if target is None:
                 continue
+            ours = _state.installed[target]
             try:
-                namespace[global_name] = _state.installed[target]
+                namespace[global_name] = ours
             except Exception:  # noqa: BLE001 - a read-only namespace: say so instead
                 ref = f"{mod_name}.{global_name}"
                 _state.stale.append(ref)
@@ -324,67 +312,48 @@ def _rebind_references(module: ModuleType) -> None:
                     "calls through it still use the buggy op.",
                     StaleReferenceWarning,
                 )
-                continue
-            _state.rebound.append((mod_name, global_name, value, _state.installed[target]))
-            logger.info("rebound %s.%s to the corrected %s", mod_name, global_name, target)
+            else:
+                _state.rebound.append((mod_name, global_name, value, ours))
+                logger.info("rebound %s.%s to the corrected %s", mod_name, global_name, target)
 
 
-def _announce(newly: list[str]) -> None:
+def _announce(module: ModuleType) -> None:
     """Say once what was applied, where the release table and the check disagree, or that we are not needed."""
     version = _diffusers_version()
+    states = {fix_id: record.finding.state for fix_id, record in _state.records.items()}
     for fix in _fixes():
-        record = _state.records.get(fix.id)
-        expected = release_table_lists(fix.affected, version)
-        if record is None or expected is None or fix.id in _state.mismatches_reported:
-            continue
-        state = record.finding.state
-        if state == "absent" and expected:
-            message = f"carries '{fix.id}', but the functions it patches are not there (renamed?): nothing to fix"
-        elif state in ("broken", "ok") and expected != (state == "broken"):
-            message = (
-                f"{'carries' if expected else 'does not carry'} '{fix.id}', but the installed code "
-                f"{'does' if state == 'broken' else 'does not'}; acting on the code"
-            )
-        else:
-            continue
-        _state.mismatches_reported.add(fix.id)
-        report(
-            f"diffusers_cudnn_fix: the release table says diffusers {version} {message}.", ReleaseTableMismatchWarning
-        )
+        mismatch = _MISMATCHES.get((states[fix.id], release_table_lists(fix.affected, version)))
+        if mismatch is not None and fix.id not in _state.mismatches_reported:
+            _state.mismatches_reported.add(fix.id)
+            message = f"diffusers_cudnn_fix: the release table says diffusers {version} {mismatch.format(fix.id)}."
+            report(message, ReleaseTableMismatchWarning)
+    newly = [fix_id for fix_id, record in _state.records.items() if record.installed]
     if newly:
         logger.info("diffusers_cudnn_fix: diffusers %s: applied %s", version, ", ".join(newly))
-    if not _state.announced:
-        corrections = [f for f in _fixes() if f.kind == "correction"]
-        states = {f.id: _state.records[f.id].finding.state for f in corrections if f.id in _state.records}
-        # A correction that matters only to some runs (only_for) is named as the condition instead.
-        conditional = {f.id: f.only_for for f in corrections if f.only_for and states.get(f.id) == "broken"}
-        rest = {i: s for i, s in states.items() if i not in conditional}
-        if len(states) == len(corrections) and set(rest.values()) <= {"ok", "absent"}:
-            module = _state.module
-            guards = [f.id for f in _fixes() if f.kind == "guard" and module is not None and _applied(module, f)]
-            logger.info(
-                "diffusers_cudnn_fix: diffusers %s needs none of the gradient corrections (%s); the package can be "
-                "removed for them.%s%s",
-                version,
-                ", ".join(rest),
-                "".join(f" {i} is needed for {runs} only." for i, runs in conditional.items()),
-                f" Guards still active: {', '.join(guards)}." if guards else "",
-            )
+    corrections = [f for f in _fixes() if f.kind == "correction"]
+    # A correction that matters only to some runs (only_for) is named as the condition instead.
+    conditional = {f.id: f.only_for for f in corrections if f.only_for and states[f.id] == "broken"}
+    rest = [f.id for f in corrections if f.id not in conditional]
+    if not _state.announced and all(states[i] in ("ok", "absent") for i in rest):
+        guards = [f.id for f in _fixes() if f.kind == "guard" and _applied(module, f)]
+        logger.info(
+            "diffusers_cudnn_fix: diffusers %s needs none of the gradient corrections (%s); the package can be "
+            "removed for them.%s%s",
+            version,
+            ", ".join(rest),
+            "".join(f" {i} is needed for {runs} only." for i, runs in conditional.items()),
+            f" Guards still active: {', '.join(guards)}." if guards else "",
+        )
     _state.announced = True
 
 
 def revert() -> Report:
     """Put back exactly the objects that were there before us. Idempotent, thread-safe."""
     with _state.lock:
-        module = _state.module
-        if module is not None:
-            for mod_name, global_name, original, ours in _state.rebound:
-                namespace = getattr(sys.modules.get(mod_name), "__dict__", None)
-                if isinstance(namespace, dict) and namespace.get(global_name) is ours:
-                    namespace[global_name] = original
-            _put_back(module, say_why=True)
-            for fix_id, record in list(_state.records.items()):
-                _state.records[fix_id] = _Record(record.finding, "reverted by revert()", record.skipped)
+        if _state.module is not None:
+            _put_back(_state.module, reverting=True)
+            for fix_id, record in _state.records.items():
+                _state.records[fix_id] = replace(record, reason="reverted by revert()", installed=False)
         return status()
 
 
@@ -395,18 +364,15 @@ def original(target: str) -> Any:
     staticmethod stays one). Returns the live object when we did not patch it, so callers always get the
     shipped code.
     """
-    module = sys.modules.get(MODULE_NAME)
     with _state.lock:
-        if target in _state.originals:
-            return _state.originals[target]
-        return raw_get(module, target) if module is not None else None
+        kept = _state.originals
+        return kept[target] if target in kept else raw_get(sys.modules.get(MODULE_NAME), target)
 
 
 def is_patched(target: str) -> bool:
     """Whether our object sits at ``diffusers.models.attention_dispatch.<target>`` right now."""
-    module = sys.modules.get(MODULE_NAME)
     with _state.lock:
-        return module is not None and _ours(module, target)
+        return _ours(sys.modules.get(MODULE_NAME), target)
 
 
 def status() -> Report:
@@ -419,19 +385,17 @@ def status() -> Report:
         version = _diffusers_version()
         fixes = []
         for fix in _fixes():
-            record = _state.records.get(fix.id) if module is not None and module is _state.module else None
-            applied = module is not None and _applied(module, fix)
+            record = _state.records.get(fix.id) if module is _state.module else None
+            applied = _applied(module, fix)
             if not enabled and not applied:
                 detected, reason = "disabled", f"package switched off by {_switches.ENABLE_VAR}=0"
-            elif record is None and module is not None:
-                detected, reason = (
-                    "unchecked",
-                    "not checked: revert() disarmed the package before the import; call apply()",
-                )
-            elif record is None:
-                detected, reason = "pending", f"{MODULE_NAME} not imported yet"
-            else:
+            elif record is not None:
                 detected, reason = record.finding.state, record.reason
+            elif module is not None:
+                detected = "unchecked"
+                reason = "not checked: revert() disarmed the package before the import; call apply()"
+            else:
+                detected, reason = "pending", f"{MODULE_NAME} not imported yet"
             if record is not None and record.installed and not applied:
                 reason = "was fixed, but the module no longer holds our replacement (reloaded?): call apply()"
             if applied and fix.note is not None:
