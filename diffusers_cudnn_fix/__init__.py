@@ -60,6 +60,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from . import _hook, _switches
+from ._switches import set_mask_mode, set_probe_mode
 from ._warnings import (
     DiffusersCudnnFixWarning,
     FixNotAppliedWarning,
@@ -182,19 +183,6 @@ def probe(device: Any = None) -> ProbeResult:
         if parsed.type != "cuda":
             raise ValueError(f"probe() checks CUDA kernels; {device!r} is a {parsed.type} device")
     return _probe.probe(device)
-
-
-def set_probe_mode(mode: str) -> None:
-    """``"warn"`` (default), ``"strict"`` or ``"off"``, any case; wins over ``DIFFUSERS_CUDNN_FIX_PROBE``."""
-    _switches.set_probe_mode(mode)
-
-
-def set_mask_mode(mode: str) -> None:
-    """What a bool or wrongly typed mask reaching the cuDNN context-parallel op does (#14342), any case:
-    ``"convert"`` (default: to an additive mask in q's dtype), ``"warn"`` (pass it through as diffusers
-    does, warn once) or ``"error"`` (raise :class:`UnsafeAttentionError`). Wins over
-    ``DIFFUSERS_CUDNN_FIX_MASK``."""
-    _switches.set_mask_mode(mode)
 
 
 def _target(target: object) -> str:

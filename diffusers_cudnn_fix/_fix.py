@@ -82,9 +82,7 @@ def release_table_lists(specifier: str, version: str | None) -> bool | None:
     not PEP 440, or for no version at all (diffusers not imported).
     """
     try:
-        parsed = Version(version) if version is not None else None
+        parsed = Version(version or "")  # "" (no version) is no PEP 440 version either
     except InvalidVersion:
         return None
-    if parsed is None or parsed.is_prerelease:
-        return None
-    return SpecifierSet(specifier).contains(parsed)
+    return None if parsed.is_prerelease else SpecifierSet(specifier).contains(parsed)

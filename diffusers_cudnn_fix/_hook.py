@@ -19,25 +19,23 @@ from ._warnings import FixNotAppliedWarning, report
 MODULE_NAME = _switches.MODULE_NAME
 
 _lock = threading.Lock()
-_registered = False
 _active = False  # revert() before diffusers' import disarms the hook; apply() re-arms it
-# Whether diffusers' module was imported before us. Only then can other modules already hold the shipped
-# ops (``from ... import``), so only then is the reference scan needed.
-_late = False
+# None until the hook is registered; then whether diffusers' module was imported before us. Only then can
+# other modules already hold the shipped ops (``from ... import``), so only then is the reference scan needed.
+_late: bool | None = None
 
 
 def arm() -> None:
     """Register the hook once per process (unless the package is switched off) and let it patch. Never raises."""
-    global _registered, _active, _late
+    global _active, _late
     # Quiet: a process that only imports the package (the launcher's own) reports nothing; a bad value is
     # reported once the package acts (on_import), in the process that trains.
     if not _switches.enabled(quiet=True):
         return
     with _lock:
         _active = True
-        if _registered:
+        if _late is not None:
             return
-        _registered = True
         _late = MODULE_NAME in sys.modules
     try:
         import wrapt
@@ -74,7 +72,7 @@ def on_import(module: ModuleType) -> None:
         _switches.check_environment()
         from ._registry import apply_to
 
-        apply_to(module, scan_references=_late)
+        apply_to(module, scan_references=bool(_late))
         install_prober()
     except Exception as exc:  # noqa: BLE001 - leave diffusers as shipped and say so
         try:

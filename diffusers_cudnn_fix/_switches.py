@@ -23,8 +23,6 @@ SKIP_VAR = "DIFFUSERS_CUDNN_FIX_SKIP"
 MASK_VAR = "DIFFUSERS_CUDNN_FIX_MASK"
 PROBE_VAR = "DIFFUSERS_CUDNN_FIX_PROBE"
 
-MASK_MODES = ("convert", "warn", "error")
-PROBE_MODES = ("warn", "strict", "off")
 _ON_OFF = {
     **dict.fromkeys(("1", "on", "true", "yes", "enable", "enabled"), "on"),
     **dict.fromkeys(("0", "off", "false", "no", "disable", "disabled"), "off"),
@@ -33,9 +31,9 @@ _ON_OFF = {
 # name of the variable -> (spelling -> value, default, value used for a bad spelling)
 _CHOICES: dict[str, tuple[Mapping[str, str], str, str]] = {
     ENABLE_VAR: (_ON_OFF, "on", "on"),  # a typo must not switch the fixes off
-    MASK_VAR: ({m: m for m in MASK_MODES}, "convert", "convert"),
+    MASK_VAR: ({m: m for m in ("convert", "warn", "error")}, "convert", "convert"),
     # Someone who typed "stict" wanted strict; the safe reading of a typo is the stricter one.
-    PROBE_VAR: ({m: m for m in PROBE_MODES}, "warn", "strict"),
+    PROBE_VAR: ({m: m for m in ("warn", "strict", "off")}, "warn", "strict"),
 }
 
 _overrides: dict[str, str] = {}  # variable -> value chosen through the API in this process
@@ -53,14 +51,10 @@ def _choice(var: str, *, quiet: bool = False) -> str:
         return _overrides[var]
     spellings, default, fallback = _CHOICES[var]
     raw = os.environ.get(var, "")
-    if not raw.strip():
-        return default
-    value = spellings.get(raw.strip().lower())
-    if value is None:
-        if not quiet:
-            _bad_value(var, raw, f"not one of {', '.join(spellings)}; using {fallback!r}")
-        return fallback
-    return value
+    spelling = raw.strip().lower()
+    if spelling and spelling not in spellings and not quiet:
+        _bad_value(var, raw, f"not one of {', '.join(spellings)}; using {fallback!r}")
+    return spellings.get(spelling, fallback) if spelling else default
 
 
 def _set(var: str, value: str) -> None:
@@ -94,6 +88,10 @@ def mask_mode() -> str:
 
 
 def set_mask_mode(mode: str) -> None:
+    """What a bool or wrongly typed mask reaching the cuDNN context-parallel op does (#14342), any case:
+    ``"convert"`` (default: to an additive mask in q's dtype), ``"warn"`` (pass it through as diffusers
+    does, warn once) or ``"error"`` (raise :class:`UnsafeAttentionError`). Wins over
+    ``DIFFUSERS_CUDNN_FIX_MASK``; a bad value raises ``ValueError``."""
     _set(MASK_VAR, mode)
 
 
@@ -103,6 +101,8 @@ def probe_mode() -> str:
 
 
 def set_probe_mode(mode: str) -> None:
+    """``"warn"`` (default), ``"strict"`` or ``"off"``, any case; wins over ``DIFFUSERS_CUDNN_FIX_PROBE``; a bad
+    value raises ``ValueError``."""
     _set(PROBE_VAR, mode)
 
 

@@ -18,8 +18,7 @@ import sys
 import warnings
 from types import FrameType
 
-LOGGER_NAME = "diffusers_cudnn_fix"
-logger = logging.getLogger(LOGGER_NAME)
+logger = logging.getLogger("diffusers_cudnn_fix")
 # Without a handler anywhere on its path, logging prints a WARNING record through its last-resort handler,
 # which would repeat every warning below on stderr. The NullHandler counts as a handler; records still
 # propagate to whatever the user configures (root handlers, basicConfig).
@@ -27,9 +26,7 @@ logger.addHandler(logging.NullHandler())
 
 #: Top-level modules whose frames are never "the user's code": ours, the libraries we act through, and the
 #: machinery that runs imports and ``python -m``.
-_NOT_USER_CODE = frozenset(
-    {"diffusers_cudnn_fix", "diffusers", "torch", "wrapt", "importlib", "runpy", "contextlib", "functools"}
-)
+_NOT_USER_CODE = {"diffusers_cudnn_fix", "diffusers", "torch", "wrapt", "importlib", "runpy", "contextlib", "functools"}
 
 
 class DiffusersCudnnFixWarning(RuntimeWarning):
