@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 MODULE_NAME = _switches.MODULE_NAME
 
 # Never hold diffusers' private ops: the reference scan skips them.
-_SCAN_SKIP = frozenset({"torch", "diffusers_cudnn_fix"}) | frozenset(getattr(sys, "stdlib_module_names", ()))
+_SCAN_SKIP = frozenset({"torch", "diffusers_cudnn_fix", *sys.stdlib_module_names})
 
 
 #: Why a fix is not applied, by what its check found (broken: applied, or skipped or failed).
@@ -50,7 +50,6 @@ class _Record:
     finding: Finding  # what the check found on the shipped code
     reason: str
     skipped: bool = False
-    installed: bool = False  # whether apply() put the fix in (it may have been taken out since)
 
 
 class _State:
@@ -137,9 +136,10 @@ def _ours(module: ModuleType | None, target: str) -> bool:
     return target in _state.installed and raw_get(module, target) is _state.installed[target]
 
 
-def _applied(module: ModuleType | None, fix: Fix) -> bool:
+def _applied(module: ModuleType | None, fix: Fix) -> bool | None:
+    """Whether the replacements apply() installed for ``fix`` are all in ``module`` now; None: it installed none."""
     mine = [t for t in fix.targets if fix.id in _state.policies.get(t, ())]
-    return bool(mine) and all(_ours(module, t) for t in mine)
+    return all(_ours(module, t) for t in mine) if mine else None
 
 
 def _up_to_date(module: ModuleType, skipped: frozenset[str]) -> bool:
@@ -164,7 +164,7 @@ def _put_back(module: ModuleType | None, *, reverting: bool) -> None:
     for target, original in _state.originals.items():
         if module is not None and _ours(module, target):
             _raw_set(module, target, original)
-        elif module is not None and reverting:
+        elif reverting:  # revert() passes the module it patched
             logger.warning("%s.%s was changed by someone else since we patched it; left as is", MODULE_NAME, target)
     for kept in (_state.originals, _state.installed, _state.policies, _state.seen, _state.rebound, _state.stale):
         kept.clear()
@@ -236,7 +236,7 @@ def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> None:
             warning = f"'{fix.id}' NOT applied: {failed[fix.id]}"
         elif finding.state == "broken":
             verb = "fixed" if fix.kind == "correction" else "guarded"
-            record = _Record(finding, f"{verb}: {finding.detail}", installed=True)
+            record = _Record(finding, f"{verb}: {finding.detail}")
         else:
             record = _Record(finding, f"{_UNFIXED[finding.state]}: {finding.detail}")
             if finding.state == "unknown":
@@ -327,7 +327,7 @@ def _announce(module: ModuleType) -> None:
             _state.mismatches_reported.add(fix.id)
             message = f"diffusers_cudnn_fix: the release table says diffusers {version} {mismatch.format(fix.id)}."
             report(message, ReleaseTableMismatchWarning)
-    newly = [fix_id for fix_id, record in _state.records.items() if record.installed]
+    newly = [fix.id for fix in _fixes() if _applied(module, fix)]
     if newly:
         logger.info("diffusers_cudnn_fix: diffusers %s: applied %s", version, ", ".join(newly))
     corrections = [f for f in _fixes() if f.kind == "correction"]
@@ -353,7 +353,7 @@ def revert() -> Report:
         if _state.module is not None:
             _put_back(_state.module, reverting=True)
             for fix_id, record in _state.records.items():
-                _state.records[fix_id] = replace(record, reason="reverted by revert()", installed=False)
+                _state.records[fix_id] = replace(record, reason="reverted by revert()")
         return status()
 
 
@@ -386,7 +386,8 @@ def status() -> Report:
         fixes = []
         for fix in _fixes():
             record = _state.records.get(fix.id) if module is _state.module else None
-            applied = _applied(module, fix)
+            installed = _applied(module, fix)
+            applied = bool(installed)
             if not enabled and not applied:
                 detected, reason = "disabled", f"package switched off by {_switches.ENABLE_VAR}=0"
             elif record is not None:
@@ -396,7 +397,7 @@ def status() -> Report:
                 reason = "not checked: revert() disarmed the package before the import; call apply()"
             else:
                 detected, reason = "pending", f"{MODULE_NAME} not imported yet"
-            if record is not None and record.installed and not applied:
+            if record is not None and installed is False:
                 reason = "was fixed, but the module no longer holds our replacement (reloaded?): call apply()"
             if applied and fix.note is not None:
                 reason = f"{reason} [{fix.note()}]"
