@@ -263,8 +263,7 @@ def _build(module: ModuleType, wanted: set[str]) -> tuple[dict[str, Any], dict[s
             try:
                 built.update(group.build(Objects(module), ids) if ids else {})
             except Exception as exc:  # noqa: BLE001 - a failing build leaves diffusers as shipped
-                detail = f"building the replacement failed: {type(exc).__name__}: {exc}"
-                failed.update(dict.fromkeys(ids, detail))
+                failed.update(dict.fromkeys(ids, f"building the replacement failed: {type(exc).__name__}: {exc}"))
         candidates = Objects(module, built)
         verified = {f.id: check_of(f)(candidates) for f in _fixes() if f.id in wanted and f.id not in failed}
         failed.update({fix_id: found.detail for fix_id, found in verified.items() if found.state != "ok"})
