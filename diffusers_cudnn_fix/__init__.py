@@ -139,8 +139,7 @@ def apply() -> Report:
 
     _hook.arm()
     _switches.check_environment()
-    module = importlib.import_module(_switches.MODULE_NAME)  # a first import fires the hook
-    _registry.apply_to(module)
+    _registry.apply_to(importlib.import_module(_switches.MODULE_NAME))  # a first import fires the hook
     if _switches.enabled():
         _hook.install_prober()
     return _registry.status()

@@ -206,14 +206,12 @@ def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> None:
     fixes = _fixes()
     findings = {fix.id: check_of(fix)(Objects(module)) for fix in fixes if not fix.checked_after}
     wanted = {i for i, f in findings.items() if f.state == "broken" and i not in skipped}
+    built, failed = _build(module, wanted)
     later = [fix for fix in fixes if fix.checked_after]  # checks that must see other fixes' replacements
-    built: dict[str, Any] = {}
-    if any(wanted.intersection(fix.checked_after) for fix in later):
-        built, failed = _build(module, wanted)
-    for fix in later:
-        findings[fix.id] = check_of(fix)(Objects(module, built))
+    for fix in later:  # on those replacements where they are wanted, else on the shipped code
+        findings[fix.id] = check_of(fix)(Objects(module, built if wanted.intersection(fix.checked_after) else {}))
     more = {f.id for f in later if findings[f.id].state == "broken" and f.id not in skipped}
-    if more or not built:
+    if more:
         built, failed = _build(module, wanted | more)
     applied = (wanted | more) - failed.keys()
     for target, new in built.items():
