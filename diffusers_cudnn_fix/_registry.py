@@ -13,7 +13,6 @@ import importlib
 import importlib.util
 import sys
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -271,15 +270,9 @@ def _build(module: ModuleType, wanted: set[str]) -> tuple[dict[str, Any], dict[s
         wanted -= failed.keys()
 
 
-def _scanned_namespaces(skip: ModuleType) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Namespaces of diffusers' own modules and of the user's code: third-party packages are skipped."""
-    for name, mod in list(sys.modules.items()):
-        namespace = getattr(mod, "__dict__", None)
-        if mod is not skip and isinstance(namespace, dict) and _scanned_package(name.partition(".")[0]):
-            yield name, namespace
-
-
 def _scanned_package(top: str) -> bool:
+    """Whether the reference scan reads the modules of package ``top``: diffusers' own and the user's code, not
+    third-party packages."""
     # Read the namespace, not the attribute: a lazy module's __getattr__ must not run (it may import).
     namespace = getattr(sys.modules.get(top), "__dict__", None)
     path = (namespace.get("__file__") if isinstance(namespace, dict) else None) or ""
@@ -293,7 +286,10 @@ def _rebind_references(module: ModuleType) -> None:
     by_id = {id(orig): t for t, orig in _state.originals.items() if orig is not None and "." not in t}
     if not by_id:
         return
-    for mod_name, namespace in _scanned_namespaces(module):
+    for mod_name, mod in list(sys.modules.items()):
+        namespace = getattr(mod, "__dict__", None)
+        if mod is module or not isinstance(namespace, dict) or not _scanned_package(mod_name.partition(".")[0]):
+            continue
         for global_name, value in list(namespace.items()):
             target = by_id.get(id(value))  # the originals are alive: the same id is the same object
             if target is None:
