@@ -343,10 +343,9 @@ def _announce(module: ModuleType) -> None:
 def revert() -> Report:
     """Put back exactly the objects that were there before us. Idempotent, thread-safe."""
     with _state.lock:
-        if _state.module is not None:
-            _put_back(_state.module, reverting=True)
-            for fix_id, record in _state.records.items():
-                _state.records[fix_id] = replace(record, reason="reverted by revert()")
+        _put_back(_state.module, reverting=True)  # None before any apply: nothing to put back
+        for fix_id, record in _state.records.items():
+            _state.records[fix_id] = replace(record, reason="reverted by revert()")
         return status()
 
 

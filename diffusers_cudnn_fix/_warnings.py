@@ -79,15 +79,6 @@ def _is_user_frame(frame: FrameType) -> bool:
     return not isinstance(name, str) or name.partition(".")[0] not in _NOT_USER_CODE
 
 
-def user_frame() -> FrameType | None:
-    """The innermost frame of the caller's stack that is the user's code, or None (a stack of ours and the
-    import machinery only: ``python -m diffusers_cudnn_fix``, or autograd's own thread)."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and not _is_user_frame(frame):
-        frame = frame.f_back
-    return frame
-
-
 def report(message: str, category: type[DiffusersCudnnFixWarning]) -> None:
     """Log ``message`` at WARNING and emit it as a warning of ``category`` filed at the user's frame.
 
@@ -95,7 +86,11 @@ def report(message: str, category: type[DiffusersCudnnFixWarning]) -> None:
     because of us (a user who wants a hard stop uses the strict switches, which raise on purpose).
     """
     logger.warning(message)
-    frame = user_frame()
+    # The innermost frame of the user's code; None on a stack of ours and the import machinery only
+    # (``python -m diffusers_cudnn_fix``, or autograd's own thread).
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and not _is_user_frame(frame):
+        frame = frame.f_back
     try:
         if frame is None:
             warnings.warn(message, category, stacklevel=2)
