@@ -98,7 +98,7 @@ def raw_get(module: ModuleType | None, target: str) -> Any:
     return holder.__dict__.get(name) if isinstance(holder, type) else getattr(holder, name, None)
 
 
-def _raw_set(module: ModuleType, target: str, value: Any) -> None:
+def _raw_set(module: ModuleType | None, target: str, value: Any) -> None:
     holder, name = _holder(module, target)
     setattr(holder, name, value)
 
@@ -161,9 +161,9 @@ def _put_back(module: ModuleType | None, *, reverting: bool) -> None:
         if isinstance(namespace, dict) and namespace.get(global_name) is ours:
             namespace[global_name] = original
     for target, original in _state.originals.items():
-        if module is not None and _ours(module, target):
+        if _ours(module, target):
             _raw_set(module, target, original)
-        elif reverting:  # revert() passes the module it patched
+        elif reverting:
             logger.warning("%s.%s was changed by someone else since we patched it; left as is", MODULE_NAME, target)
     for kept in (_state.originals, _state.installed, _state.policies, _state.seen, _state.rebound, _state.stale):
         kept.clear()
@@ -397,7 +397,7 @@ def status() -> Report:
             fixes.append(FixStatus(fix.id, fix.title, fix.upstream, fix.affected, expected, detected, applied, reason))
         torch_mod = sys.modules.get("torch")
         probes: tuple[Any, ...] = ()
-        if fixes and torch_mod is not None:
+        if torch_mod is not None:  # then the fixes are there too
             from . import _devices
 
             probes = _devices.results()
