@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import traceback
 import warnings
 import weakref
 from typing import Any
@@ -140,10 +139,8 @@ def _bias(trace: _detect.Trace, op: str) -> Any:
 
 def check(lookup: Lookup) -> Finding:
     forward, backward = lookup(TARGET), lookup("_cudnn_attention_backward_op")
-    if forward is None or backward is None:
-        return Finding("absent", "the cuDNN op pair does not exist in this diffusers")
-    if not _detect.signature_matches(forward, _detect.FORWARD_PARAMS):
-        return Finding("unknown", "the forward op's signature differs from every known release")
+    if (problem := _detect.op_problem(forward, backward)) is not None:
+        return problem
     want = _detect.check_mask("float32").to(torch.bfloat16)
     # Our wrapper is checked in convert mode, whatever the mode in force: that is the path which must be
     # right. The bool mask's run includes the backward, to see that it gets the very bias the forward got.
@@ -170,7 +167,11 @@ def check(lookup: Lookup) -> Finding:
             return Finding("broken", "an integer mask reaches the cuDNN kernel's bias")
         ulysses = lookup(ULYSSES)
         if ulysses is not None:
-            entering = _mask_entering_ulysses(ulysses, forward)
+            shape = (_detect.BATCH, _detect.SEQ_Q, _detect.HEADS, _detect.HEAD_DIM)
+            entering = _detect.mask_entering(
+                ulysses, torch.ones(_detect.BATCH, 1, _detect.SEQ_Q, _detect.SEQ_Q, dtype=torch.bool), degree=2,
+                forward_op=forward, shape=shape, dtype=torch.bfloat16, ring_degree=1, ulysses_anything=False,
+            )  # fmt: skip
             if isinstance(entering, str):
                 return Finding("unknown", f"the Ulysses forward could not be run in one process ({entering})")
             if entering.dtype != torch.bfloat16:
@@ -184,24 +185,3 @@ def check(lookup: Lookup) -> Finding:
     return Finding(
         "ok", "in convert mode, bool and float masks reach Ulysses and the kernels as additive masks in q's dtype"
     )
-
-
-def _mask_entering_ulysses(ulysses: Any, forward_op: Any) -> torch.Tensor | str:
-    """The mask diffusers' own Ulysses forward receives when the installed one is called with a bool mask and
-    ``forward_op`` (read off the frame that asks for the process group, diffusers' own); a text if not reached."""
-    shape = (_detect.BATCH, _detect.SEQ_Q, _detect.HEADS, _detect.HEAD_DIM)
-    mask = torch.ones(_detect.BATCH, 1, _detect.SEQ_Q, _detect.SEQ_Q, dtype=torch.bool)
-    try:
-        _detect.call_ulysses(
-            ulysses, mask, _detect.STOP_MESH, degree=2, forward_op=forward_op, shape=shape, dtype=torch.bfloat16,
-            ring_degree=1, ulysses_anything=False,
-        )  # fmt: skip
-    except _detect.ReachedCollectives as stop:
-        frames = [frame for frame, _ in traceback.walk_tb(stop.__traceback__)]
-        if len(frames) < 2 or frames[-2].f_globals.get("__name__") != _switches.MODULE_NAME:
-            return "diffusers' own forward was not reached"
-        entering = frames[-2].f_locals.get("attn_mask")
-        return entering if isinstance(entering, torch.Tensor) else f"it received {entering!r}"
-    except Exception as exc:  # noqa: BLE001 - an unknown build: say so
-        return f"{type(exc).__name__}: {exc}"
-    return "the forward returned without asking for its process group"

@@ -46,10 +46,8 @@ def without_masked_rows(grad_out: torch.Tensor, mask: Any) -> torch.Tensor:
 
 def check(lookup: Lookup) -> Finding:
     forward, backward = lookup("_cudnn_attention_forward_op"), lookup(TARGET)
-    if forward is None or backward is None:
-        return Finding("absent", "the cuDNN op pair does not exist in this diffusers")
-    if not _detect.signature_matches(forward, _detect.FORWARD_PARAMS) or not _detect.backward_signature_ok(backward):
-        return Finding("unknown", "the forward/backward op signatures differ from every known release")
+    if (problem := _detect.op_problem(forward, backward)) is not None:
+        return problem
     b, s_q, h, d = _detect.BATCH, _detect.SEQ_Q, _detect.HEADS, _detect.HEAD_DIM
     q = torch.zeros(b, s_q, h, d, dtype=torch.bfloat16)
     k, v = (torch.zeros(b, 1, h, d, dtype=torch.bfloat16) for _ in range(2))  # one key/value position

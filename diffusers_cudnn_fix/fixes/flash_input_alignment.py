@@ -28,10 +28,8 @@ def _offset_views() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def check(lookup: Lookup) -> Finding:
     forward = lookup(TARGET)
-    if forward is None:
-        return Finding("absent", "the native-flash forward op does not exist in this diffusers")
-    if not _detect.signature_matches(forward, _detect.FORWARD_PARAMS):
-        return Finding("unknown", "the flash forward op's signature differs from every known release")
+    if (problem := _detect.op_problem(forward)) is not None:
+        return problem
     trace = _detect.run_pair(forward, None, return_lse=False, qkv=_offset_views())
     call = trace.first(_detect.FLASH_FORWARD)
     if call is None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import traceback
 import types
 import weakref
 from collections.abc import Mapping
@@ -249,20 +248,18 @@ def _padded_global_mask() -> tuple[torch.Tensor, torch.Tensor]:
     text, image = _TEXT_LOCAL * _WORLD, _IMAGE_LOCAL * _WORLD
     mask = torch.ones(_BATCH, 1, 1, text + image, dtype=torch.bool)
     mask[..., text - 1] = False
-    order: list[int] = []
-    for rank in range(_WORLD):
-        order += range(rank * _TEXT_LOCAL, (rank + 1) * _TEXT_LOCAL)
-        order += range(text + rank * _IMAGE_LOCAL, text + (rank + 1) * _IMAGE_LOCAL)
+    position = torch.arange(text + image)
+    order = torch.cat([position[:text].view(_WORLD, -1), position[text:].view(_WORLD, -1)], dim=1).flatten()
     return mask, mask[..., order]
 
 
-def _qwen_call(forward: Any, mesh: Any, mask: torch.Tensor) -> None:
-    """Calls ``forward`` at Ulysses degree 2 with ``mask`` from a stand-in of QwenImage's attention processor;
-    raises what the forward raises. The attention op raises ``_detect.ReachedOp`` with the mask it got."""
+def _from_qwen() -> dict[str, Any]:
+    """:func:`_detect.call_ulysses`' arguments for a call at Ulysses degree 2 from a stand-in of QwenImage's
+    attention processor."""
     model = type(QWEN_MODEL, (), {"_cp_plan": {"transformer_blocks.0": {"hidden_states": None}}})
     call_from_qwen = _detect.with_globals(_call, __name__=QWEN_MODULE, **{QWEN_MODEL: model})
     via = functools.partial(call_from_qwen, seq_txt=_TEXT_LOCAL)
-    _detect.call_ulysses(forward, mask, mesh, degree=_WORLD, shape=(_BATCH, _SEQ, _HEADS, _DIM), via=via)
+    return {"degree": _WORLD, "shape": (_BATCH, _SEQ, _HEADS, _DIM), "via": via}
 
 
 def _shipped_gathers(shipped: Any) -> bool | str:
@@ -272,7 +269,8 @@ def _shipped_gathers(shipped: Any) -> bool | str:
         return f"the innermost forward is a {type(shipped).__name__}, not a function"
     mask = _padded_local_mask()
     try:
-        _qwen_call(_detect.with_globals(shipped, **_detect.ULYSSES_STAND_INS), _detect.FAKE_MESH, mask)
+        run = _detect.with_globals(shipped, **_detect.ULYSSES_STAND_INS)
+        _detect.call_ulysses(run, mask, _detect.FAKE_MESH, **_from_qwen())
     except _detect.ReachedOp as reached:
         if reached.mask is mask:
             return False
@@ -282,22 +280,6 @@ def _shipped_gathers(shipped: Any) -> bool | str:
     except Exception as exc:  # noqa: BLE001 - an unknown build: say so
         return f"{type(exc).__name__}: {exc}"
     return "the forward returned without calling the attention op"
-
-
-def _mask_entering_shipped(forward: Any, shipped: Any, mask: torch.Tensor) -> torch.Tensor | str:
-    """The mask diffusers' own forward receives when the installed ``forward`` is called from QwenImage's
-    stand-in with ``mask`` (read off diffusers' frame where it asks for its process group); a text if not."""
-    try:
-        _qwen_call(forward, _detect.STOP_MESH, mask)
-    except _detect.ReachedCollectives as stop:
-        for frame, _ in traceback.walk_tb(stop.__traceback__):
-            if frame.f_code is getattr(shipped, "__code__", None):
-                entering = frame.f_locals.get("attn_mask")
-                return entering if isinstance(entering, torch.Tensor) else f"it received {entering!r}"
-        return "diffusers' own forward was not reached"
-    except _detect.ReachedOp:
-        return "the op was reached without diffusers' own forward asking for its process group"
-    return "the forward returned without asking for its process group"
 
 
 def check(lookup: Lookup) -> Finding:
@@ -312,12 +294,9 @@ def check(lookup: Lookup) -> Finding:
         return Finding("ok", "Ulysses gathers a sequence-local mask into the K/V's order before the op")
     # diffusers' forward hands the op the mask as it came: what reaches it from QwenImage's processor?
     mask, expected = _padded_global_mask()
-    try:
-        entering = _mask_entering_shipped(forward, shipped, mask)
-    except UnsafeAttentionError:
+    entering = _detect.mask_entering(forward, mask, **_from_qwen())
+    if isinstance(entering, str) and entering.startswith(UnsafeAttentionError.__name__):
         return Finding("ok", "QwenImage's joint mask, which Ulysses would hand on in another token order, is refused")
-    except Exception as exc:  # noqa: BLE001 - an unknown build: say so
-        return Finding("unknown", f"the Ulysses forward could not be run in one process ({type(exc).__name__}: {exc})")
     if isinstance(entering, str):
         return Finding("unknown", f"the Ulysses forward could not be run in one process ({entering})")
     if entering.shape == expected.shape and torch.equal(entering, expected):
