@@ -99,37 +99,39 @@ def mask_policy(
         return attn_mask
     if not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
         raise UnsafeAttentionError(
-            f"diffusers_cudnn_fix: a {attn_mask.dtype} attention mask reached diffusers' context-parallel cuDNN "
-            "op. An integer mask is ambiguous (0/1 keep flags or an additive bias?) and F.scaled_dot_product_"
-            "attention refuses it too. Pass a bool mask (True = attend) or an additive mask of q's dtype."
+            f"{_reached(attn_mask)}. An integer mask is ambiguous (0/1 keep flags or an additive bias?) and "
+            "F.scaled_dot_product_attention refuses it too. Pass a bool mask (True = attend) or an additive mask of "
+            "q's dtype."
         )
     forced = getattr(_forced, "mode", None)  # the check's own runs: no notice for the user
     mode = forced or _switches.mask_mode()
+    if mode == "error":
+        raise UnsafeAttentionError(
+            f"{_reached(attn_mask, dtype)}. Set {_switches.MASK_VAR}=convert to convert it, or pass an additive "
+            "mask of q's dtype."
+        )
     if mode == "convert":
         if forced is None and MaskConvertedWarning not in _warned:
             _warn_once(
                 MaskConvertedWarning,
-                f"diffusers_cudnn_fix: a {attn_mask.dtype} attention mask reached diffusers' context-parallel "
-                f"cuDNN op, which would misread it as a {dtype} additive bias ({ISSUE}); it was converted "
-                f"to an additive {dtype} mask. {_switches.MASK_VAR}=warn passes masks through as diffusers "
-                "does, =error refuses them (shown once per process).",
+                f"{_reached(attn_mask, dtype)}; it was converted to an additive {dtype} mask. {_switches.MASK_VAR}="
+                "warn passes masks through as diffusers does, =error refuses them (shown once per process).",
             )
         return _converted(attn_mask, dtype)
-    if mode == "error":
-        raise UnsafeAttentionError(
-            f"diffusers_cudnn_fix: a {attn_mask.dtype} attention mask reached diffusers' context-parallel "
-            f"cuDNN op, which would misread it as a {dtype} additive bias ({ISSUE}). "
-            f"Set {_switches.MASK_VAR}=convert to convert it, or pass an additive mask of q's dtype."
-        )
     if MaskMisreadWarning not in _warned:
         _warn_once(
             MaskMisreadWarning,
-            f"diffusers_cudnn_fix: a {attn_mask.dtype} attention mask reached diffusers' context-parallel cuDNN op "
-            f"and was passed through ({_switches.MASK_VAR}=warn): the kernel reads it as a {dtype} bias "
-            f"({ISSUE}), a bool mask out of bounds, so outputs and gradients are wrong. "
-            f"Unset {_switches.MASK_VAR} (or set it to convert) to convert masks.",
+            f"{_reached(attn_mask, dtype)}; it was passed through ({_switches.MASK_VAR}=warn), a bool mask read out "
+            f"of bounds, so outputs and gradients are wrong. Unset {_switches.MASK_VAR} (or set it to convert) to "
+            "convert masks.",
         )
     return attn_mask
+
+
+def _reached(mask: torch.Tensor, dtype: torch.dtype | None = None) -> str:
+    """The start of every message about ``mask``: what reached the op, and (``dtype``) how the kernel reads it."""
+    reached = f"diffusers_cudnn_fix: a {mask.dtype} attention mask reached diffusers' context-parallel cuDNN op"
+    return reached if dtype is None else f"{reached}, which misreads such a mask as a {dtype} additive bias ({ISSUE})"
 
 
 def _bias(trace: _detect.Trace, op: str) -> Any:

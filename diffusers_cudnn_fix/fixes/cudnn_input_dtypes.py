@@ -41,8 +41,7 @@ def check(lookup: Lookup) -> Finding:
     cases = {"fp32 q/k/v": (torch.float32, None), "bf16 q with fp16 k/v": (torch.bfloat16, torch.float16)}
     for label, (dtype, key_dtype) in cases.items():
         trace = _detect.run_pair(forward, None, return_lse=True, dtype=dtype, key_dtype=key_dtype)
-        call = trace.first(_detect.CUDNN_FORWARD)
-        if call is not None:
+        if trace.first(_detect.CUDNN_FORWARD) is not None:
             return Finding("broken", f"{label} reach the cuDNN kernel")
         if trace.error is None:
             return Finding("unknown", f"with {label} the forward neither reached the kernel nor raised")

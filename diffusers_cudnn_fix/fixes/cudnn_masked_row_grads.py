@@ -29,9 +29,8 @@ def without_masked_rows(grad_out: torch.Tensor, mask: Any) -> torch.Tensor:
     (B, H, S_q, S_kv)). Anything other than a floating mask whose last dimension is 1 returns ``grad_out``
     unchanged.
     """
-    if not isinstance(mask, torch.Tensor) or not mask.is_floating_point() or not 2 <= mask.dim() <= 4:
-        return grad_out
-    if mask.shape[-1] != 1:
+    floating = isinstance(mask, torch.Tensor) and mask.is_floating_point()
+    if not floating or not 2 <= mask.dim() <= 4 or mask.shape[-1] != 1:
         return grad_out
     # One key position, so a masked entry is a fully masked row. Masked as the kernel sees it: -inf, or a
     # value whose exp2-domain score overflows float32 (finfo(bf16).min does, fp16's -65504 does not).

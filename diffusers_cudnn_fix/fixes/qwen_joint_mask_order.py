@@ -13,7 +13,7 @@ import functools
 import sys
 import types
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -85,40 +85,36 @@ def _rank_order(x: torch.Tensor, dim: int, text_len: int, image_len: int, degree
     return torch.cat([text, image], dim=dim + 1).flatten(dim, dim + 1)
 
 
-# The last mask read: (the mask, weakly; its version counter; whether it masks anything).
-_last: tuple[weakref.ref[torch.Tensor], int, bool] | None = None
-# The last reorder: (the mask, weakly; its version counter; text and image length and degree; the result).
-_last_order: tuple[weakref.ref[torch.Tensor], int, tuple[int, int, int], torch.Tensor] | None = None
+# The last answer about a mask: (the mask, weakly; its version counter; the question; the answer). A mask built
+# once and handed to every layer is read, or reordered, once.
+_last: tuple[weakref.ref[torch.Tensor], int, Any, Any] | None = None
+
+
+def _once(mask: torch.Tensor, question: Any, answer: Callable[[], Any]) -> Any:
+    """``answer()`` about ``mask``, computed once per mask object, version and ``question`` (the last one kept)."""
+    global _last
+    last = _last
+    if last is not None and last[0]() is mask and last[1] == mask._version and last[2] == question:
+        return last[3]
+    result = answer()
+    if not mask.is_inference():  # an inference tensor has no version counter
+        _last = (weakref.ref(mask, _forget), mask._version, question, result)
+    return result
+
+
+def _forget(_: object) -> None:
+    global _last
+    _last = None  # the source mask is gone: do not keep what was computed from it alive
 
 
 def _masks_something(mask: torch.Tensor) -> bool:
-    global _last
-    last = _last
-    if last is not None and last[0]() is mask and last[1] == mask._version:
-        return last[2]
-    masks = not bool(mask.all()) if mask.dtype == torch.bool else bool(mask.ne(0).any())
-    if not mask.is_inference():  # an inference tensor has no version counter
-        _last = (weakref.ref(mask), mask._version, masks)
-    return masks
+    return _once(mask, "masks", lambda: not bool(mask.all()) if mask.dtype == torch.bool else bool(mask.ne(0).any()))
 
 
 def _reordered(mask: torch.Tensor, text_len: int, image_len: int, degree: int) -> torch.Tensor:
     """:func:`rank_ordered_mask` of ``mask`` (2-D (B, S) read as [B, 1, 1, S]), once per mask object and version."""
-    global _last_order
-    key = (text_len, image_len, degree)
-    last = _last_order
-    if last is not None and last[0]() is mask and last[1] == mask._version and last[2] == key:
-        return last[3]
     full = mask[:, None, None, :] if mask.dim() == 2 else mask
-    ordered = rank_ordered_mask(full, text_len, image_len, degree)
-    if not mask.is_inference():  # an inference tensor has no version counter
-        _last_order = (weakref.ref(mask, _forget), mask._version, key, ordered)
-    return ordered
-
-
-def _forget(_: object) -> None:
-    global _last_order
-    _last_order = None  # the source mask is gone: do not keep its reorder alive
+    return _once(mask, (text_len, image_len, degree), lambda: rank_ordered_mask(full, text_len, image_len, degree))
 
 
 @torch.compiler.assume_constant_result
@@ -200,25 +196,14 @@ def in_kv_order(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     frame = _qwen_frame(sys._getframe(1))
     if frame is None:
         return attn_mask
-    try:
-        return _in_kv_order(attn_mask, query, key, degree, frame)
-    finally:
-        del frame  # a frame kept alive keeps the processor's tensors alive
-
-
-def _in_kv_order(
-    mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor, degree: int, frame: types.FrameType
-) -> torch.Tensor:
-    """QwenImage's ``mask`` in the K/V's rank order; :class:`UnsafeAttentionError` where that cannot be done and
-    the mask masks something; the mask as it came where it masks nothing."""
     text_local = _text_len_local(frame)
-    problem = _layout_problem(mask, query, key, degree, text_local)
+    del frame  # a frame kept alive (by a refusal's traceback) keeps the processor's tensors alive
+    problem = _layout_problem(attn_mask, query, key, degree, text_local)
     if problem is None and text_local is not None:
-        image_local = key.shape[1] - text_local
-        return _reordered(mask, text_local * degree, image_local * degree, degree)
-    if _masks_something(mask):
+        return _reordered(attn_mask, text_local * degree, (key.shape[1] - text_local) * degree, degree)
+    if _masks_something(attn_mask):
         raise UnsafeAttentionError(MESSAGE.format(degree=degree, layout=problem))
-    return mask
+    return attn_mask
 
 
 def _call(forward: Any, args: tuple[Any, ...], seq_txt: int) -> Any:
