@@ -191,13 +191,12 @@ def run_pair(
     dtype: torch.dtype = torch.bfloat16,
     key_dtype: torch.dtype | None = None,
     qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    grad_value: float | None = None,
 ) -> Trace:
     """Run ``forward`` (and ``backward`` on its output) on tiny CPU tensors and record the ATen calls.
 
     Called as diffusers' templated attention calls it in training. ``dtype``: of q (and k, v unless
-    ``key_dtype`` is given); ``qkv``: the (B, S, H, D) inputs to use instead; ``grad_value``: fill the
-    backward's ``grad_out`` with it (else its values are undefined). Never raises: an exception becomes
+    ``key_dtype`` is given); ``qkv``: the (B, S, H, D) inputs to use instead. The backward's ``grad_out`` is
+    all ones. Never raises: an exception becomes
     ``trace.error`` (the calls recorded before it are kept).
     """
     trace = Trace()
@@ -217,9 +216,7 @@ def run_pair(
             trace.forward_result = result
             if backward is not None:
                 out = result[0] if isinstance(result, tuple) else result
-                grad_out = torch.empty(out.shape, dtype=out.dtype)
-                if grad_value is not None:
-                    grad_out.fill_(grad_value)
+                grad_out = torch.ones(out.shape, dtype=out.dtype)
                 trace.grads = tuple(backward(ctx, grad_out))
     except Exception as exc:  # noqa: BLE001 - any failure is a finding, never a crash
         trace.error = f"{type(exc).__name__}: {exc}"

@@ -52,7 +52,7 @@ def check(lookup: Lookup) -> Finding:
     k, v = (torch.zeros(b, 1, h, d, dtype=torch.bfloat16) for _ in range(2))  # one key/value position
     mask = torch.zeros(b, 1, s_q, 1, dtype=torch.bfloat16)
     mask[:, :, -1] = float("-inf")  # the last query row sees no key
-    trace = _detect.run_pair(forward, backward, return_lse=True, mask=mask, qkv=(q, k, v), grad_value=1.0)
+    trace = _detect.run_pair(forward, backward, return_lse=True, mask=mask, qkv=(q, k, v))  # grad_out: ones
     call = trace.first(_detect.CUDNN_BACKWARD)
     if call is None:
         return Finding("unknown", f"the backward never reached the cuDNN kernel ({trace.error or 'no call'})")

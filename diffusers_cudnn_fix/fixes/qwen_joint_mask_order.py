@@ -35,22 +35,19 @@ _TEXT_LEN_LOCAL = "seq_txt"
 
 MESSAGE = (
     "diffusers_cudnn_fix: QwenImage's joint attention mask reached diffusers' Ulysses attention (Ulysses degree "
-    "{degree}) as {layout}, which the package cannot put into the order of the K/V Ulysses hands the op (rank "
-    "order [text_0, image_0, text_1, ...], while the mask is in the global order [text, image]): with padded "
-    "prompts the mask would hide image tokens and let padding through, and the gradients would be silently "
-    "wrong (on every attention backend). The package reorders QwenImage's own joint mask ([B, 1, 1, S], "
-    "[B, 1, S, S] or 2-D (B, S), S the joint length). diffusers 0.39.0 fixed this upstream: upgrade diffusers, "
-    "or train with prompts of one length (no padding, encoder_hidden_states_mask=None), or without context "
-    "parallelism."
+    "{degree}) as {layout}, which the package cannot put into the K/V's rank order [text_0, image_0, text_1, "
+    "...] (the mask is in the global order [text, image]): padded prompts would train silently wrong on every "
+    "backend. The package reorders QwenImage's own joint mask ([B, 1, 1, S], [B, 1, S, S] or (B, S), S the joint "
+    "length). Upgrade diffusers to >= 0.39.0 (fixed upstream), or train with prompts of one length "
+    "(encoder_hidden_states_mask=None), or without context parallelism."
 )
 
 COMPILE_MESSAGE = (
     "diffusers_cudnn_fix: a mask reached diffusers' Ulysses attention (Ulysses degree {degree}) inside a "
-    "torch.compile graph, with QwenImage loaded in a diffusers whose QwenImage plan hands its joint mask to Ulysses "
-    "in another token order than the K/V (padded prompts would train silently wrong). While compiling, the "
-    "package cannot tell which model calls or where its text ends, so it asks for this call to run eagerly, "
-    "where it puts the mask into the K/V's order: compile without fullgraph=True (only this call then runs "
-    "eagerly), upgrade diffusers to >= 0.39.0, or pass encoder_hidden_states_mask=None."
+    "torch.compile graph, with QwenImage loaded in a diffusers that hands its joint mask to Ulysses in another "
+    "token order than the K/V (padded prompts would train silently wrong). Traced, the package cannot tell the "
+    "model or its text length, so it asks for this call to run eagerly, where it reorders the mask: compile "
+    "without fullgraph=True, upgrade diffusers to >= 0.39.0, or pass encoder_hidden_states_mask=None."
 )
 
 

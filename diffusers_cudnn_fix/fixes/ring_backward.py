@@ -50,14 +50,12 @@ def unsupported_backend_message(backward_op: Any) -> str:
     name = f"{getattr(backward_op, '__module__', '?')}.{getattr(backward_op, '__qualname__', repr(backward_op))}"
     return (
         "diffusers_cudnn_fix: ring context parallelism (ring_degree > 1, also unified attention) in this diffusers "
-        "release computes wrong gradients (every ring step's backward reuses the first step's tensors; fixed "
-        "upstream in diffusers 0.40.0, huggingface/diffusers#14274). The package corrects it for the "
-        "_native_cudnn and _native_flash attention backends, with their corrected "
-        f"backward ops in place (fixes cudnn_backward_kv, flash_backward_kv); this call's backward op is {name}. "
-        "Use one of those backends for ring training, Ulysses context parallelism "
-        "(ContextParallelConfig(ulysses_degree=...)), or diffusers >= 0.40 (ring right with every backend at "
-        f"ring_degree 2, and at any degree with these two and this package). DIFFUSERS_CUDNN_FIX_SKIP={FIX_ID} "
-        "lets diffusers' own (wrong) ring backward run."
+        "computes wrong gradients: every ring step's backward reuses the first step's tensors (fixed in diffusers "
+        "0.40.0, huggingface/diffusers#14274). The package corrects it for the _native_cudnn and _native_flash "
+        f"backends with their corrected backward ops (fixes cudnn_backward_kv, flash_backward_kv); this call's is "
+        f"{name}. Use one of those backends, Ulysses (ContextParallelConfig(ulysses_degree=...)), or diffusers >= "
+        "0.40 (right with every backend at ring_degree 2, at any with these two and this package). "
+        f"DIFFUSERS_CUDNN_FIX_SKIP={FIX_ID} lets diffusers' own (wrong) ring backward run."
     )
 
 
