@@ -9,17 +9,15 @@ forward and where the mask enters Ulysses attention, before it is gathered (docs
 
 from __future__ import annotations
 
-import sys
 import threading
-import warnings
 import weakref
 from typing import Any
 
 import torch
 
-from .. import _detect, _switches
+from .. import _detect, _switches, _warnings
 from .._fix import Finding, Lookup
-from .._warnings import MaskConvertedWarning, MaskMisreadWarning, UnsafeAttentionError, logger
+from .._warnings import MaskConvertedWarning, MaskMisreadWarning, UnsafeAttentionError
 
 TARGET = "_cudnn_attention_forward_op"
 ULYSSES = "TemplatedUlyssesAttention.forward"
@@ -57,25 +55,16 @@ def _forget(_: object) -> None:
     _last = None  # the source mask is gone: do not keep its conversion alive
 
 
-_NOT_CALLERS = frozenset({"diffusers", "torch", "diffusers_cudnn_fix", "importlib", "contextlib", "functools"})
-
-
-def _warn_once(category: type[Warning], message: str) -> None:
+def _warn_once(category: type[_warnings.DiffusersCudnnFixWarning], message: str) -> None:
     """Warn once per process (the caller asks only while ``category`` is not in ``_warned``), filed under the
-    first frame outside diffusers, torch and this package."""
+    user's frame (the first outside diffusers, torch and this package), which the logged line names too."""
     if torch.compiler.is_compiling():
         return
     _warned.add(category)
-    frame = sys._getframe(1)
-    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _NOT_CALLERS:
-        frame = frame.f_back
-    filename, lineno, module = frame.f_code.co_filename, frame.f_lineno, frame.f_globals.get("__name__", "")
-    message = f"{message} Called from {filename}:{lineno}."
-    logger.warning(message)
-    try:
-        warnings.warn_explicit(message, category, filename, lineno, module=module)
-    except Warning:
-        pass  # an "error" filter must not turn a notice into a crash; it is logged above
+    frame = _warnings.user_frame()
+    where = "" if frame is None else f" Called from {frame.f_code.co_filename}:{frame.f_lineno}."
+    del frame  # no reference cycle through the caller's frames
+    _warnings.report(message + where, category)
 
 
 def mask_policy(
