@@ -150,18 +150,14 @@ def signature_matches(fn: Any, params: tuple[str, ...]) -> bool:
     return found is not None and found[0] == params
 
 
-def backward_signature_ok(fn: Any) -> bool:
-    """diffusers' backward ops take ``(ctx, grad_out, *args, ...)``."""
-    found = _positional_params(fn)
-    return found is not None and found[0] == ("ctx", "grad_out") and found[1]
-
-
 def op_problem(forward: Any, *backward: Any) -> Finding | None:
     """Why the forward op (and the ``backward`` op, where given) cannot be checked: it does not exist, or takes
-    other parameters than in every known release; None if it can."""
+    other parameters than in every known release (diffusers' backward ops take ``(ctx, grad_out, *args)``); None
+    if it can."""
     if forward is None or None in backward:
         return Finding("absent", "the op does not exist in this diffusers")
-    if not signature_matches(forward, FORWARD_PARAMS) or not all(backward_signature_ok(op) for op in backward):
+    backward_ok = all(_positional_params(op) == (("ctx", "grad_out"), True) for op in backward)
+    if not signature_matches(forward, FORWARD_PARAMS) or not backward_ok:
         return Finding("unknown", "the op signatures differ from every known release")
     return None
 
@@ -235,18 +231,14 @@ def _answer(name: str, args: dict[str, Any]) -> tuple[Any, ...]:
     q, k = args["query"], args["key"]
     batch, heads, seq_q = q.shape[:3]
     if name == CUDNN_FORWARD:
-        lse = None
-        if args.get("compute_log_sumexp"):
-            lse_shape = (batch, heads, seq_q, 1) if cudnn_lse_ndim() == 4 else (batch, heads, seq_q)
-            lse = torch.empty(lse_shape, dtype=torch.float32)
+        lse = torch.empty(batch, heads, seq_q, *(1,) * (cudnn_lse_ndim() - 3), dtype=torch.float32)
         seed = torch.empty((), dtype=torch.int64)
-        return (torch.empty_like(q), lse, None, None, seq_q, k.shape[2], seed, torch.empty_like(seed), None)
-    # FLASH_FORWARD: the log-sum-exp is always there, (B, H, S_q).
+        lse_if_asked = lse if args.get("compute_log_sumexp") else None
+        return (torch.empty_like(q), lse_if_asked, None, None, seq_q, k.shape[2], seed, torch.empty_like(seed), None)
+    # FLASH_FORWARD: the log-sum-exp is always there, (B, H, S_q); then the rng state, an unused one, debug.
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32)
-    rng_state = torch.empty(2, dtype=torch.uint64)
-    unused = torch.empty((), dtype=torch.uint64)
-    debug = torch.empty(0, dtype=q.dtype)
-    return (torch.empty_like(q), lse, None, None, seq_q, k.shape[2], rng_state, unused, debug)
+    rng = (torch.empty(2, dtype=torch.uint64), torch.empty((), dtype=torch.uint64), torch.empty(0, dtype=q.dtype))
+    return (torch.empty_like(q), lse, None, None, seq_q, k.shape[2], *rng)
 
 
 _SEQ_OF = {"query": SEQ_Q, "key": SEQ_KV, "value": SEQ_KV}
@@ -286,8 +278,7 @@ def check_backward_layout(forward: Any, backward: Any, forward_op: str, backward
     grad_out, out = bwd.tensor("grad_out"), bwd.tensor("out")
     if grad_out is None or out is None or (grad_out.shape, grad_out.stride) != (out.shape, out.stride):
         return Finding(
-            "broken",
-            f"grad_out reaches the backward kernel as {grad_out}, out as {out}: strides must match",
+            "broken", f"grad_out reaches the backward kernel as {grad_out}, out as {out}: strides must match"
         )
     if trace.error is not None:
         return Finding("unknown", f"the backward raised {trace.error}")
