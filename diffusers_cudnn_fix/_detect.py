@@ -192,8 +192,7 @@ def run_pair(
 
     Called as diffusers' templated attention calls it in training. ``dtype``: of q (and k, v unless
     ``key_dtype`` is given); ``qkv``: the (B, S, H, D) inputs to use instead. The backward's ``grad_out`` is
-    all ones. Never raises: an exception becomes
-    ``trace.error`` (the calls recorded before it are kept).
+    all ones. Never raises: an exception becomes ``trace.error`` (the calls recorded before it are kept).
     """
     trace = Trace()
     try:
@@ -205,15 +204,13 @@ def run_pair(
         ctx = ProbeCtx()
         # no_grad: diffusers calls these ops inside autograd.Function.forward, where grad mode is off.
         with torch.no_grad(), _Recorder(trace):
-            result = forward(
+            trace.forward_result = result = forward(
                 ctx, q, k, v, mask, 0.0, False, None, False, return_lse,
                 _save_ctx=True, _parallel_config=training_parallel_config(),
             )  # fmt: skip
-            trace.forward_result = result
             if backward is not None:
                 out = result[0] if isinstance(result, tuple) else result
-                grad_out = torch.ones(out.shape, dtype=out.dtype)
-                trace.grads = tuple(backward(ctx, grad_out))
+                trace.grads = tuple(backward(ctx, torch.ones(out.shape, dtype=out.dtype)))
     except Exception as exc:  # noqa: BLE001 - any failure is a finding, never a crash
         trace.error = f"{type(exc).__name__}: {exc}"
     return trace
