@@ -515,6 +515,19 @@ def mask_entering(forward: Any, mask: torch.Tensor, **call: Any) -> torch.Tensor
     return "the forward returned without asking for its process group"
 
 
+def op_reached(forward: Any, shipped: Any, mask: torch.Tensor, **call: Any) -> ReachedOp | str:
+    """Call ``forward`` (diffusers' Ulysses forward ``shipped``, or a replacement calling it) with stand-in
+    collectives (:func:`with_stand_ins`) and ``mask`` (:func:`call_ulysses` with ``call``): what its attention
+    op raised, with the mask it was handed; else a text saying what happened instead."""
+    try:
+        call_ulysses(with_stand_ins(forward, shipped, **ULYSSES_STAND_INS), mask, FAKE_MESH, **call)
+    except ReachedOp as reached:
+        return reached
+    except Exception as exc:  # noqa: BLE001 - a refusal, or an unknown build: the caller decides
+        return f"{type(exc).__name__}: {exc}"
+    return "the forward returned without calling the attention op"
+
+
 def run_ulysses_backward(backward: Any, shipped: Any) -> tuple[tuple[Any, ...] | None, str | None]:
     """Run a Ulysses ``backward`` (degree 1, stand-in collectives, a backward op returning empty gradients) in
     this process; returns what it returned, or None and the error. ``shipped``: diffusers' own backward."""

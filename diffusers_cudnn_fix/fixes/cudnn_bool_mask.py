@@ -76,9 +76,8 @@ def mask_policy(
         return None
     if attn_mask.requires_grad:
         raise UnsafeAttentionError(
-            "diffusers_cudnn_fix: the attention mask requires grad, but diffusers' context-parallel cuDNN "
-            "path gives the mask no gradient (it would silently stay None). Detach the mask, or train the "
-            "bias with another attention backend."
+            "diffusers_cudnn_fix: the attention mask requires grad, but diffusers' context-parallel cuDNN path "
+            "gives it no gradient (it would silently stay None). Detach it, or train it with another backend."
         )
     # The dtype the op computes in: autocast's where it is on for q's device, else q's own.
     dtype = query.dtype

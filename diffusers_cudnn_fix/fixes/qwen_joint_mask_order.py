@@ -250,18 +250,14 @@ def _shipped_gathers(shipped: Any) -> bool | str:
     if not isinstance(shipped, types.FunctionType):
         return f"the innermost forward is a {type(shipped).__name__}, not a function"
     mask = _padded_local_mask()
-    try:
-        run = _detect.with_globals(shipped, **_detect.ULYSSES_STAND_INS)
-        _detect.call_ulysses(run, mask, _detect.FAKE_MESH, **_from_qwen())
-    except _detect.ReachedOp as reached:
-        if reached.mask is mask:
-            return False
-        if isinstance(reached.mask, torch.Tensor) and reached.mask.shape[-1] == _SEQ * _WORLD:
-            return True
-        return f"the op got {getattr(reached.mask, 'shape', reached.mask)} for a local mask of {_SEQ} positions"
-    except Exception as exc:  # noqa: BLE001 - an unknown build: say so
-        return f"{type(exc).__name__}: {exc}"
-    return "the forward returned without calling the attention op"
+    reached = _detect.op_reached(shipped, shipped, mask, **_from_qwen())
+    if isinstance(reached, str):
+        return reached
+    if reached.mask is mask:
+        return False
+    if isinstance(reached.mask, torch.Tensor) and reached.mask.shape[-1] == _SEQ * _WORLD:
+        return True
+    return f"the op got {getattr(reached.mask, 'shape', reached.mask)} for a local mask of {_SEQ} positions"
 
 
 def check(lookup: Lookup) -> Finding:
