@@ -143,11 +143,10 @@ def _qwen_frame(frame: types.FrameType | None) -> types.FrameType | None:
 
 def _text_len_local(frame: types.FrameType) -> int | None:
     """The rank-local text length from the processor's locals (``seq_txt``, else its ``encoder_hidden_states``)."""
-    local = frame.f_locals
-    text = local.get(_TEXT_LEN_LOCAL)
+    text = frame.f_locals.get(_TEXT_LEN_LOCAL)
     if isinstance(text, int) and not isinstance(text, bool):
         return text
-    stream = local.get("encoder_hidden_states")
+    stream = frame.f_locals.get("encoder_hidden_states")
     if isinstance(stream, torch.Tensor) and stream.dim() >= 2:
         return int(stream.shape[1])
     return None
