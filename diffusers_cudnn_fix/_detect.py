@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import traceback
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from packaging.version import Version
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._fix import Finding, Lookup
+from ._switches import MODULE_NAME
 
 # Model layout (B, S, H, D) shapes used by the check. All distinct so that a swapped pair of dims is visible.
 BATCH, SEQ_Q, SEQ_KV, HEADS, HEAD_DIM = 2, 5, 7, 3, 8
@@ -84,7 +86,6 @@ class Trace:
     forward_result: Any = None
     grads: tuple[Any, ...] | None = None
     error: str | None = None
-    raised: type[BaseException] | None = None
 
     def first(self, op: str) -> OpCall | None:
         return next((c for c in self.calls if c.op == op), None)
@@ -149,10 +150,16 @@ def signature_matches(fn: Any, params: tuple[str, ...]) -> bool:
     return found is not None and found[0] == params
 
 
-def backward_signature_ok(fn: Any) -> bool:
-    """diffusers' backward ops take ``(ctx, grad_out, *args, ...)``."""
-    found = _positional_params(fn)
-    return found is not None and found[0] == ("ctx", "grad_out") and found[1]
+def op_problem(forward: Any, *backward: Any) -> Finding | None:
+    """Why the forward op (and the ``backward`` op, where given) cannot be checked: it does not exist, or takes
+    other parameters than in every known release (diffusers' backward ops take ``(ctx, grad_out, *args)``); None
+    if it can."""
+    if forward is None or None in backward:
+        return Finding("absent", "the op does not exist in this diffusers")
+    backward_ok = all(_positional_params(op) == (("ctx", "grad_out"), True) for op in backward)
+    if not signature_matches(forward, FORWARD_PARAMS) or not backward_ok:
+        return Finding("unknown", "the op signatures differ from every known release")
+    return None
 
 
 def check_mask(kind: str) -> torch.Tensor:
@@ -180,14 +187,12 @@ def run_pair(
     dtype: torch.dtype = torch.bfloat16,
     key_dtype: torch.dtype | None = None,
     qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    grad_value: float | None = None,
 ) -> Trace:
     """Run ``forward`` (and ``backward`` on its output) on tiny CPU tensors and record the ATen calls.
 
     Called as diffusers' templated attention calls it in training. ``dtype``: of q (and k, v unless
-    ``key_dtype`` is given); ``qkv``: the (B, S, H, D) inputs to use instead; ``grad_value``: fill the
-    backward's ``grad_out`` with it (else its values are undefined). Never raises: an exception becomes
-    ``trace.error`` (the calls recorded before it are kept).
+    ``key_dtype`` is given); ``qkv``: the (B, S, H, D) inputs to use instead. The backward's ``grad_out`` is
+    all ones. Never raises: an exception becomes ``trace.error`` (the calls recorded before it are kept).
     """
     trace = Trace()
     try:
@@ -199,20 +204,15 @@ def run_pair(
         ctx = ProbeCtx()
         # no_grad: diffusers calls these ops inside autograd.Function.forward, where grad mode is off.
         with torch.no_grad(), _Recorder(trace):
-            result = forward(
+            trace.forward_result = result = forward(
                 ctx, q, k, v, mask, 0.0, False, None, False, return_lse,
                 _save_ctx=True, _parallel_config=training_parallel_config(),
             )  # fmt: skip
-            trace.forward_result = result
             if backward is not None:
                 out = result[0] if isinstance(result, tuple) else result
-                grad_out = torch.empty(out.shape, dtype=out.dtype)
-                if grad_value is not None:
-                    grad_out.fill_(grad_value)
-                trace.grads = tuple(backward(ctx, grad_out))
+                trace.grads = tuple(backward(ctx, torch.ones(out.shape, dtype=out.dtype)))
     except Exception as exc:  # noqa: BLE001 - any failure is a finding, never a crash
         trace.error = f"{type(exc).__name__}: {exc}"
-        trace.raised = type(exc)
     return trace
 
 
@@ -228,18 +228,14 @@ def _answer(name: str, args: dict[str, Any]) -> tuple[Any, ...]:
     q, k = args["query"], args["key"]
     batch, heads, seq_q = q.shape[:3]
     if name == CUDNN_FORWARD:
-        lse = None
-        if args.get("compute_log_sumexp"):
-            lse_shape = (batch, heads, seq_q, 1) if cudnn_lse_ndim() == 4 else (batch, heads, seq_q)
-            lse = torch.empty(lse_shape, dtype=torch.float32)
+        lse = torch.empty(batch, heads, seq_q, *(1,) * (cudnn_lse_ndim() - 3), dtype=torch.float32)
         seed = torch.empty((), dtype=torch.int64)
-        return (torch.empty_like(q), lse, None, None, seq_q, k.shape[2], seed, torch.empty_like(seed), None)
-    # FLASH_FORWARD: the log-sum-exp is always there, (B, H, S_q).
+        lse_if_asked = lse if args.get("compute_log_sumexp") else None
+        return (torch.empty_like(q), lse_if_asked, None, None, seq_q, k.shape[2], seed, torch.empty_like(seed), None)
+    # FLASH_FORWARD: the log-sum-exp is always there, (B, H, S_q); then the rng state, an unused one, debug.
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32)
-    rng_state = torch.empty(2, dtype=torch.uint64)
-    unused = torch.empty((), dtype=torch.uint64)
-    debug = torch.empty(0, dtype=q.dtype)
-    return (torch.empty_like(q), lse, None, None, seq_q, k.shape[2], rng_state, unused, debug)
+    rng = (torch.empty(2, dtype=torch.uint64), torch.empty((), dtype=torch.uint64), torch.empty(0, dtype=q.dtype))
+    return (torch.empty_like(q), lse, None, None, seq_q, k.shape[2], *rng)
 
 
 _SEQ_OF = {"query": SEQ_Q, "key": SEQ_KV, "value": SEQ_KV}
@@ -262,13 +258,8 @@ def check_backward_layout(forward: Any, backward: Any, forward_op: str, backward
     log-sum-exp (a separate bug) cannot mask this one. Also checks that ``grad_out`` reaches the kernel with
     ``out``'s shape and strides and that the gradients come back in model layout.
     """
-    if forward is None or backward is None:
-        return Finding("absent", "the op pair does not exist in this diffusers")
-    if not signature_matches(forward, FORWARD_PARAMS) or not backward_signature_ok(backward):
-        return Finding("unknown", "the forward/backward op signatures differ from every known release")
-    problem = aten_contract_problem(forward_op, backward_op)
-    if problem is not None:
-        return Finding("unknown", problem)
+    if (problem := op_problem(forward, backward) or aten_contract_problem(forward_op, backward_op)) is not None:
+        return problem
     trace = run_pair(forward, backward, return_lse=True)
     fwd, bwd = trace.first(forward_op), trace.first(backward_op)
     if fwd is None or bwd is None:
@@ -284,8 +275,7 @@ def check_backward_layout(forward: Any, backward: Any, forward_op: str, backward
     grad_out, out = bwd.tensor("grad_out"), bwd.tensor("out")
     if grad_out is None or out is None or (grad_out.shape, grad_out.stride) != (out.shape, out.stride):
         return Finding(
-            "broken",
-            f"grad_out reaches the backward kernel as {grad_out}, out as {out}: strides must match",
+            "broken", f"grad_out reaches the backward kernel as {grad_out}, out as {out}: strides must match"
         )
     if trace.error is not None:
         return Finding("unknown", f"the backward raised {trace.error}")
@@ -296,15 +286,11 @@ def check_backward_layout(forward: Any, backward: Any, forward_op: str, backward
     return Finding("ok", "q/k/v reach the backward kernel in the forward's (B, H, S, D) layout")
 
 
-def check_forward_lse(forward: Callable[..., Any] | None, *, forward_op: str) -> Finding:
+def check_forward_lse(forward: Any, *, forward_op: str) -> Finding:
     """Is the log-sum-exp computed when a backward will follow, while the caller gets what it asked for?"""
-    if forward is None:
-        return Finding("absent", "the op does not exist in this diffusers")
-    if not signature_matches(forward, FORWARD_PARAMS):
-        return Finding("unknown", "the forward op's signature differs from every known release")
-    problem = aten_contract_problem(forward_op, CUDNN_BACKWARD if forward_op == CUDNN_FORWARD else FLASH_BACKWARD)
-    if problem is not None:
-        return Finding("unknown", problem)
+    backward_op = CUDNN_BACKWARD if forward_op == CUDNN_FORWARD else FLASH_BACKWARD
+    if (problem := op_problem(forward) or aten_contract_problem(forward_op, backward_op)) is not None:
+        return problem
     trace = run_pair(forward, None, return_lse=False)
     fwd = trace.first(forward_op)
     if fwd is None:
@@ -397,21 +383,22 @@ def _difference(found: tuple[str, str] | None, known: tuple[str, str]) -> str:
     return ", ".join(parts)
 
 
-def aten_contract_problem(*ops: str) -> str | None:
+def aten_contract_problem(*ops: str) -> Finding | None:
     """Why the running torch's ATen ops behind ``ops`` (``CUDNN_FORWARD``, ...) are not the ones the corrected
-    ops were written for, or None when they are: the one check every fix calling them consults."""
-    names = [aten for aten, op in _WATCHED.items() if op in ops]
-    for name in names:
+    ops were written for ("unknown"), or None when they are: the one check every fix calling them consults."""
+    for name in (aten for aten, op in _WATCHED.items() if op in ops):
         found, known = aten_signature(name), ATEN_SIGNATURES[name]
         if found != known:
-            return (
+            return Finding(
+                "unknown",
                 f"torch {torch.__version__}'s aten::{name} {_difference(found, known)}, unlike every torch the "
-                "package was written for"
+                "package was written for",
             )
-    if "_scaled_dot_product_cudnn_attention" in names and _meta_lse_ndim() != cudnn_lse_ndim():
-        return (
+    if CUDNN_FORWARD in ops and _meta_lse_ndim() != cudnn_lse_ndim():
+        return Finding(
+            "unknown",
             f"torch {torch.__version__}'s cuDNN attention returns a log-sum-exp of {_meta_lse_ndim()} dims (meta "
-            f"kernel), not the {cudnn_lse_ndim()} this package expects of it"
+            f"kernel), not the {cudnn_lse_ndim()} this package expects of it",
         )
     return None
 
@@ -509,6 +496,36 @@ def call_ulysses(
 
 def _call(forward: Any, args: tuple[Any, ...]) -> Any:
     return forward(*args)
+
+
+def mask_entering(forward: Any, mask: torch.Tensor, **call: Any) -> torch.Tensor | str:
+    """The mask diffusers' own Ulysses forward receives when ``forward`` (it, or a replacement calling it) is
+    called with ``mask`` (:func:`call_ulysses` on :data:`STOP_MESH` with ``call``), read off diffusers' frame
+    where it asks for its process group; else a text saying what happened instead."""
+    try:
+        call_ulysses(forward, mask, STOP_MESH, **call)
+    except ReachedCollectives as stop:
+        frames = [frame for frame, _ in traceback.walk_tb(stop.__traceback__)]
+        if len(frames) < 2 or frames[-2].f_globals.get("__name__") != MODULE_NAME:
+            return "diffusers' own forward was not reached"
+        entering = frames[-2].f_locals.get("attn_mask")
+        return entering if isinstance(entering, torch.Tensor) else f"it received {entering!r}"
+    except Exception as exc:  # noqa: BLE001 - a refusal, or an unknown build: the caller decides
+        return f"{type(exc).__name__}: {exc}"
+    return "the forward returned without asking for its process group"
+
+
+def op_reached(forward: Any, shipped: Any, mask: torch.Tensor, **call: Any) -> ReachedOp | str:
+    """Call ``forward`` (diffusers' Ulysses forward ``shipped``, or a replacement calling it) with stand-in
+    collectives (:func:`with_stand_ins`) and ``mask`` (:func:`call_ulysses` with ``call``): what its attention
+    op raised, with the mask it was handed; else a text saying what happened instead."""
+    try:
+        call_ulysses(with_stand_ins(forward, shipped, **ULYSSES_STAND_INS), mask, FAKE_MESH, **call)
+    except ReachedOp as reached:
+        return reached
+    except Exception as exc:  # noqa: BLE001 - a refusal, or an unknown build: the caller decides
+        return f"{type(exc).__name__}: {exc}"
+    return "the forward returned without calling the attention op"
 
 
 def run_ulysses_backward(backward: Any, shipped: Any) -> tuple[tuple[Any, ...] | None, str | None]:

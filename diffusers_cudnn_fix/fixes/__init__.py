@@ -4,8 +4,6 @@ report's, nothing else. docs/adding-a-fix.md lists what a new fix needs."""
 
 from __future__ import annotations
 
-from typing import Literal
-
 from .._fix import Fix
 from .._switches import mask_mode
 
@@ -34,8 +32,6 @@ def _mask_note() -> str:
     return f"mask mode {mode}: {MODE_EFFECTS[mode]}"
 
 
-GUARD: Literal["guard"] = "guard"
-
 #: Fix(id, title, upstream, affected releases, targets, kind="correction", note, only_for, old_ids, checked_after)
 ALL_FIXES: tuple[Fix, ...] = (
     Fix("cudnn_forward_lse", "cuDNN forward op computes no log-sum-exp on the context-parallel training path",
@@ -47,20 +43,20 @@ ALL_FIXES: tuple[Fix, ...] = (
     Fix("ulysses_grad_count", "Ulysses backward returns one gradient fewer than the forward has inputs",
         PR_14274, ">=0.36.0,<0.37.0", (ULYSSES_BACKWARD,)),
     Fix("ulysses_mask_grad", "Ulysses context parallelism gives a mask that requires grad no gradient, silently",
-        "not reported upstream as of diffusers 0.42.1", ">=0.36.0", (ULYSSES_FORWARD,), GUARD),
+        "not reported upstream as of diffusers 0.42.1", ">=0.36.0", (ULYSSES_FORWARD,), "guard"),
     Fix("cudnn_bool_mask", "bool or wrongly typed attention masks are read as an additive bias by the cuDNN CP op",
-        "https://github.com/huggingface/diffusers/issues/14342", ">=0.36.0", (CUDNN_FORWARD, ULYSSES_FORWARD), GUARD,
+        "https://github.com/huggingface/diffusers/issues/14342", ">=0.36.0", (CUDNN_FORWARD, ULYSSES_FORWARD), "guard",
         note=_mask_note),
     Fix("cudnn_input_dtypes", "fp32 or mixed-dtype q/k/v are accepted by the raw cuDNN op and give garbage",
         "none filed yet: aten::_scaled_dot_product_cudnn_attention checks no dtype", ">=0.36.0", (CUDNN_FORWARD,),
-        GUARD, old_ids=("cudnn_fp32_inputs",)),
+        "guard", old_ids=("cudnn_fp32_inputs",)),
     Fix("cudnn_masked_row_grads",
         "cuDNN's backward gets fully masked query rows wrong when there is one key/value position",
         "none known: a fault of aten::_scaled_dot_product_cudnn_attention_backward (cuDNN 9.19)", ">=0.36.0",
-        (CUDNN_BACKWARD,), GUARD),
+        (CUDNN_BACKWARD,), "guard"),
     Fix("flash_input_alignment",
         "the native-flash CP forward hands the flash kernel q/k/v off 16 bytes (misaligned address on a GPU)",
-        "not reported upstream as of diffusers 0.42.1", ">=0.37.0", (FLASH_FORWARD,), GUARD),
+        "not reported upstream as of diffusers 0.42.1", ">=0.37.0", (FLASH_FORWARD,), "guard"),
     Fix("qwen_joint_mask_order",
         "QwenImage's joint mask meets Ulysses' K/V in another token order: padded prompts train wrong",
         "fixed in diffusers 0.39.0 (the plan shards the mask; Ulysses all-gathers it)", ">=0.36.0,<0.39.0",

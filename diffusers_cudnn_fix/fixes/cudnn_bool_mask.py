@@ -9,18 +9,15 @@ forward and where the mask enters Ulysses attention, before it is gathered (docs
 
 from __future__ import annotations
 
-import sys
 import threading
-import traceback
-import warnings
 import weakref
 from typing import Any
 
 import torch
 
-from .. import _detect, _switches
+from .. import _detect, _switches, _warnings
 from .._fix import Finding, Lookup
-from .._warnings import MaskConvertedWarning, MaskMisreadWarning, UnsafeAttentionError, logger
+from .._warnings import MaskConvertedWarning, MaskMisreadWarning, UnsafeAttentionError
 
 TARGET = "_cudnn_attention_forward_op"
 ULYSSES = "TemplatedUlyssesAttention.forward"
@@ -58,25 +55,16 @@ def _forget(_: object) -> None:
     _last = None  # the source mask is gone: do not keep its conversion alive
 
 
-_NOT_CALLERS = frozenset({"diffusers", "torch", "diffusers_cudnn_fix", "importlib", "contextlib", "functools"})
-
-
-def _warn_once(category: type[Warning], message: str) -> None:
+def _warn_once(category: type[_warnings.DiffusersCudnnFixWarning], message: str) -> None:
     """Warn once per process (the caller asks only while ``category`` is not in ``_warned``), filed under the
-    first frame outside diffusers, torch and this package."""
+    user's frame (the first outside diffusers, torch and this package), which the logged line names too."""
     if torch.compiler.is_compiling():
         return
     _warned.add(category)
-    frame = sys._getframe(1)
-    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _NOT_CALLERS:
-        frame = frame.f_back
-    filename, lineno, module = frame.f_code.co_filename, frame.f_lineno, frame.f_globals.get("__name__", "")
-    message = f"{message} Called from {filename}:{lineno}."
-    logger.warning(message)
-    try:
-        warnings.warn_explicit(message, category, filename, lineno, module=module)
-    except Warning:
-        pass  # an "error" filter must not turn a notice into a crash; it is logged above
+    frame = _warnings.user_frame()
+    where = "" if frame is None else f" Called from {frame.f_code.co_filename}:{frame.f_lineno}."
+    del frame  # no reference cycle through the caller's frames
+    _warnings.report(message + where, category)
 
 
 def mask_policy(
@@ -88,9 +76,8 @@ def mask_policy(
         return None
     if attn_mask.requires_grad:
         raise UnsafeAttentionError(
-            "diffusers_cudnn_fix: the attention mask requires grad, but diffusers' context-parallel cuDNN "
-            "path gives the mask no gradient (it would silently stay None). Detach the mask, or train the "
-            "bias with another attention backend."
+            "diffusers_cudnn_fix: the attention mask requires grad, but diffusers' context-parallel cuDNN path "
+            "gives it no gradient (it would silently stay None). Detach it, or train it with another backend."
         )
     # The dtype the op computes in: autocast's where it is on for q's device, else q's own.
     dtype = query.dtype
@@ -100,37 +87,39 @@ def mask_policy(
         return attn_mask
     if not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
         raise UnsafeAttentionError(
-            f"diffusers_cudnn_fix: a {attn_mask.dtype} attention mask reached diffusers' context-parallel cuDNN "
-            "op. An integer mask is ambiguous (0/1 keep flags or an additive bias?) and F.scaled_dot_product_"
-            "attention refuses it too. Pass a bool mask (True = attend) or an additive mask of q's dtype."
+            f"{_reached(attn_mask)}. An integer mask is ambiguous (0/1 keep flags or an additive bias?) and "
+            "F.scaled_dot_product_attention refuses it too. Pass a bool mask (True = attend) or an additive mask of "
+            "q's dtype."
         )
     forced = getattr(_forced, "mode", None)  # the check's own runs: no notice for the user
     mode = forced or _switches.mask_mode()
+    if mode == "error":
+        raise UnsafeAttentionError(
+            f"{_reached(attn_mask, dtype)}. Set {_switches.MASK_VAR}=convert to convert it, or pass an additive "
+            "mask of q's dtype."
+        )
     if mode == "convert":
         if forced is None and MaskConvertedWarning not in _warned:
             _warn_once(
                 MaskConvertedWarning,
-                f"diffusers_cudnn_fix: a {attn_mask.dtype} attention mask reached diffusers' context-parallel "
-                f"cuDNN op, which would misread it as a {dtype} additive bias ({ISSUE}); it was converted "
-                f"to an additive {dtype} mask. {_switches.MASK_VAR}=warn passes masks through as diffusers "
-                "does, =error refuses them (shown once per process).",
+                f"{_reached(attn_mask, dtype)}; it was converted to an additive {dtype} mask. {_switches.MASK_VAR}="
+                "warn passes masks through as diffusers does, =error refuses them (shown once per process).",
             )
         return _converted(attn_mask, dtype)
-    if mode == "error":
-        raise UnsafeAttentionError(
-            f"diffusers_cudnn_fix: a {attn_mask.dtype} attention mask reached diffusers' context-parallel "
-            f"cuDNN op, which would misread it as a {dtype} additive bias ({ISSUE}). "
-            f"Set {_switches.MASK_VAR}=convert to convert it, or pass an additive mask of q's dtype."
-        )
     if MaskMisreadWarning not in _warned:
         _warn_once(
             MaskMisreadWarning,
-            f"diffusers_cudnn_fix: a {attn_mask.dtype} attention mask reached diffusers' context-parallel cuDNN op "
-            f"and was passed through ({_switches.MASK_VAR}=warn): the kernel reads it as a {dtype} bias "
-            f"({ISSUE}), a bool mask out of bounds, so outputs and gradients are wrong. "
-            f"Unset {_switches.MASK_VAR} (or set it to convert) to convert masks.",
+            f"{_reached(attn_mask, dtype)}; it was passed through ({_switches.MASK_VAR}=warn), a bool mask read out "
+            f"of bounds, so outputs and gradients are wrong. Unset {_switches.MASK_VAR} (or set it to convert) to "
+            "convert masks.",
         )
     return attn_mask
+
+
+def _reached(mask: torch.Tensor, dtype: torch.dtype | None = None) -> str:
+    """The start of every message about ``mask``: what reached the op, and (``dtype``) how the kernel reads it."""
+    reached = f"diffusers_cudnn_fix: a {mask.dtype} attention mask reached diffusers' context-parallel cuDNN op"
+    return reached if dtype is None else f"{reached}, which misreads such a mask as a {dtype} additive bias ({ISSUE})"
 
 
 def _bias(trace: _detect.Trace, op: str) -> Any:
@@ -140,10 +129,8 @@ def _bias(trace: _detect.Trace, op: str) -> Any:
 
 def check(lookup: Lookup) -> Finding:
     forward, backward = lookup(TARGET), lookup("_cudnn_attention_backward_op")
-    if forward is None or backward is None:
-        return Finding("absent", "the cuDNN op pair does not exist in this diffusers")
-    if not _detect.signature_matches(forward, _detect.FORWARD_PARAMS):
-        return Finding("unknown", "the forward op's signature differs from every known release")
+    if (problem := _detect.op_problem(forward, backward)) is not None:
+        return problem
     want = _detect.check_mask("float32").to(torch.bfloat16)
     # Our wrapper is checked in convert mode, whatever the mode in force: that is the path which must be
     # right. The bool mask's run includes the backward, to see that it gets the very bias the forward got.
@@ -170,7 +157,11 @@ def check(lookup: Lookup) -> Finding:
             return Finding("broken", "an integer mask reaches the cuDNN kernel's bias")
         ulysses = lookup(ULYSSES)
         if ulysses is not None:
-            entering = _mask_entering_ulysses(ulysses, forward)
+            shape = (_detect.BATCH, _detect.SEQ_Q, _detect.HEADS, _detect.HEAD_DIM)
+            entering = _detect.mask_entering(
+                ulysses, torch.ones(_detect.BATCH, 1, _detect.SEQ_Q, _detect.SEQ_Q, dtype=torch.bool), degree=2,
+                forward_op=forward, shape=shape, dtype=torch.bfloat16, ring_degree=1, ulysses_anything=False,
+            )  # fmt: skip
             if isinstance(entering, str):
                 return Finding("unknown", f"the Ulysses forward could not be run in one process ({entering})")
             if entering.dtype != torch.bfloat16:
@@ -184,24 +175,3 @@ def check(lookup: Lookup) -> Finding:
     return Finding(
         "ok", "in convert mode, bool and float masks reach Ulysses and the kernels as additive masks in q's dtype"
     )
-
-
-def _mask_entering_ulysses(ulysses: Any, forward_op: Any) -> torch.Tensor | str:
-    """The mask diffusers' own Ulysses forward receives when the installed one is called with a bool mask and
-    ``forward_op`` (read off the frame that asks for the process group, diffusers' own); a text if not reached."""
-    shape = (_detect.BATCH, _detect.SEQ_Q, _detect.HEADS, _detect.HEAD_DIM)
-    mask = torch.ones(_detect.BATCH, 1, _detect.SEQ_Q, _detect.SEQ_Q, dtype=torch.bool)
-    try:
-        _detect.call_ulysses(
-            ulysses, mask, _detect.STOP_MESH, degree=2, forward_op=forward_op, shape=shape, dtype=torch.bfloat16,
-            ring_degree=1, ulysses_anything=False,
-        )  # fmt: skip
-    except _detect.ReachedCollectives as stop:
-        frames = [frame for frame, _ in traceback.walk_tb(stop.__traceback__)]
-        if len(frames) < 2 or frames[-2].f_globals.get("__name__") != _switches.MODULE_NAME:
-            return "diffusers' own forward was not reached"
-        entering = frames[-2].f_locals.get("attn_mask")
-        return entering if isinstance(entering, torch.Tensor) else f"it received {entering!r}"
-    except Exception as exc:  # noqa: BLE001 - an unknown build: say so
-        return f"{type(exc).__name__}: {exc}"
-    return "the forward returned without asking for its process group"

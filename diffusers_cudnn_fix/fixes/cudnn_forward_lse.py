@@ -62,9 +62,7 @@ def corrected_forward(
         ctx.max_q = max_q
         ctx.max_k = max_k
     out = out.transpose(1, 2).contiguous()
-    if return_lse:
-        return out, lse.transpose(1, 2).contiguous()
-    return out
+    return (out, lse.transpose(1, 2).contiguous()) if return_lse else out
 
 
 def check(lookup: Lookup) -> Finding:

@@ -36,15 +36,12 @@ def refuse_unsupported_dtypes(
 
 def check(lookup: Lookup) -> Finding:
     forward = lookup(TARGET)
-    if forward is None:
-        return Finding("absent", "the cuDNN forward op does not exist in this diffusers")
-    if not _detect.signature_matches(forward, _detect.FORWARD_PARAMS):
-        return Finding("unknown", "the forward op's signature differs from every known release")
+    if (problem := _detect.op_problem(forward)) is not None:
+        return problem
     cases = {"fp32 q/k/v": (torch.float32, None), "bf16 q with fp16 k/v": (torch.bfloat16, torch.float16)}
     for label, (dtype, key_dtype) in cases.items():
         trace = _detect.run_pair(forward, None, return_lse=True, dtype=dtype, key_dtype=key_dtype)
-        call = trace.first(_detect.CUDNN_FORWARD)
-        if call is not None:
+        if trace.first(_detect.CUDNN_FORWARD) is not None:
             return Finding("broken", f"{label} reach the cuDNN kernel")
         if trace.error is None:
             return Finding("unknown", f"with {label} the forward neither reached the kernel nor raised")

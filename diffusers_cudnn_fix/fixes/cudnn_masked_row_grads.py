@@ -29,9 +29,8 @@ def without_masked_rows(grad_out: torch.Tensor, mask: Any) -> torch.Tensor:
     (B, H, S_q, S_kv)). Anything other than a floating mask whose last dimension is 1 returns ``grad_out``
     unchanged.
     """
-    if not isinstance(mask, torch.Tensor) or not mask.is_floating_point() or not 2 <= mask.dim() <= 4:
-        return grad_out
-    if mask.shape[-1] != 1:
+    floating = isinstance(mask, torch.Tensor) and mask.is_floating_point()
+    if not floating or not 2 <= mask.dim() <= 4 or mask.shape[-1] != 1:
         return grad_out
     # One key position, so a masked entry is a fully masked row. Masked as the kernel sees it: -inf, or a
     # value whose exp2-domain score overflows float32 (finfo(bf16).min does, fp16's -65504 does not).
@@ -46,16 +45,14 @@ def without_masked_rows(grad_out: torch.Tensor, mask: Any) -> torch.Tensor:
 
 def check(lookup: Lookup) -> Finding:
     forward, backward = lookup("_cudnn_attention_forward_op"), lookup(TARGET)
-    if forward is None or backward is None:
-        return Finding("absent", "the cuDNN op pair does not exist in this diffusers")
-    if not _detect.signature_matches(forward, _detect.FORWARD_PARAMS) or not _detect.backward_signature_ok(backward):
-        return Finding("unknown", "the forward/backward op signatures differ from every known release")
+    if (problem := _detect.op_problem(forward, backward)) is not None:
+        return problem
     b, s_q, h, d = _detect.BATCH, _detect.SEQ_Q, _detect.HEADS, _detect.HEAD_DIM
     q = torch.zeros(b, s_q, h, d, dtype=torch.bfloat16)
     k, v = (torch.zeros(b, 1, h, d, dtype=torch.bfloat16) for _ in range(2))  # one key/value position
     mask = torch.zeros(b, 1, s_q, 1, dtype=torch.bfloat16)
     mask[:, :, -1] = float("-inf")  # the last query row sees no key
-    trace = _detect.run_pair(forward, backward, return_lse=True, mask=mask, qkv=(q, k, v), grad_value=1.0)
+    trace = _detect.run_pair(forward, backward, return_lse=True, mask=mask, qkv=(q, k, v))  # grad_out: ones
     call = trace.first(_detect.CUDNN_BACKWARD)
     if call is None:
         return Finding("unknown", f"the backward never reached the cuDNN kernel ({trace.error or 'no call'})")

@@ -9,6 +9,8 @@ The package: the flash forward's replacement hands it dense copies of such q/k/v
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import _detect
@@ -18,21 +20,14 @@ from .._layout import ALIGNMENT
 TARGET = "_native_flash_attention_forward_op"
 
 
-def _offset_views() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(B, S, H=1, D) bf16 q/k/v, each a contiguous view one element past the start of its buffer."""
-    shape = (_detect.BATCH, _detect.SEQ_Q, 1, _detect.HEAD_DIM)
-    count = shape[0] * shape[1] * shape[2] * shape[3]
-    q, k, v = (torch.empty(count + 1, dtype=torch.bfloat16)[1:].view(shape) for _ in range(3))
-    return q, k, v
-
-
 def check(lookup: Lookup) -> Finding:
     forward = lookup(TARGET)
-    if forward is None:
-        return Finding("absent", "the native-flash forward op does not exist in this diffusers")
-    if not _detect.signature_matches(forward, _detect.FORWARD_PARAMS):
-        return Finding("unknown", "the flash forward op's signature differs from every known release")
-    trace = _detect.run_pair(forward, None, return_lse=False, qkv=_offset_views())
+    if (problem := _detect.op_problem(forward)) is not None:
+        return problem
+    # (B, S, H=1, D) bf16 q/k/v, each a contiguous view one element past the start of its buffer.
+    shape = (_detect.BATCH, _detect.SEQ_Q, 1, _detect.HEAD_DIM)
+    q, k, v = (torch.empty(math.prod(shape) + 1, dtype=torch.bfloat16)[1:].view(shape) for _ in range(3))
+    trace = _detect.run_pair(forward, None, return_lse=False, qkv=(q, k, v))
     call = trace.first(_detect.FLASH_FORWARD)
     if call is None:
         return Finding("unknown", f"the flash forward never reached the kernel ({trace.error})")

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import functools
 import sys
-import traceback
 import types
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -36,22 +35,19 @@ _TEXT_LEN_LOCAL = "seq_txt"
 
 MESSAGE = (
     "diffusers_cudnn_fix: QwenImage's joint attention mask reached diffusers' Ulysses attention (Ulysses degree "
-    "{degree}) as {layout}, which the package cannot put into the order of the K/V Ulysses hands the op (rank "
-    "order [text_0, image_0, text_1, ...], while the mask is in the global order [text, image]): with padded "
-    "prompts the mask would hide image tokens and let padding through, and the gradients would be silently "
-    "wrong (on every attention backend). The package reorders QwenImage's own joint mask ([B, 1, 1, S], "
-    "[B, 1, S, S] or 2-D (B, S), S the joint length). diffusers 0.39.0 fixed this upstream: upgrade diffusers, "
-    "or train with prompts of one length (no padding, encoder_hidden_states_mask=None), or without context "
-    "parallelism."
+    "{degree}) as {layout}, which the package cannot put into the K/V's rank order [text_0, image_0, text_1, "
+    "...] (the mask is in the global order [text, image]): padded prompts would train silently wrong on every "
+    "backend. The package reorders QwenImage's own joint mask ([B, 1, 1, S], [B, 1, S, S] or (B, S), S the joint "
+    "length). Upgrade diffusers to >= 0.39.0 (fixed upstream), or train with prompts of one length "
+    "(encoder_hidden_states_mask=None), or without context parallelism."
 )
 
 COMPILE_MESSAGE = (
     "diffusers_cudnn_fix: a mask reached diffusers' Ulysses attention (Ulysses degree {degree}) inside a "
-    "torch.compile graph, with QwenImage loaded in a diffusers whose QwenImage plan hands its joint mask to Ulysses "
-    "in another token order than the K/V (padded prompts would train silently wrong). While compiling, the "
-    "package cannot tell which model calls or where its text ends, so it asks for this call to run eagerly, "
-    "where it puts the mask into the K/V's order: compile without fullgraph=True (only this call then runs "
-    "eagerly), upgrade diffusers to >= 0.39.0, or pass encoder_hidden_states_mask=None."
+    "torch.compile graph, with QwenImage loaded in a diffusers that hands its joint mask to Ulysses in another "
+    "token order than the K/V (padded prompts would train silently wrong). Traced, the package cannot tell the "
+    "model or its text length, so it asks for this call to run eagerly, where it reorders the mask: compile "
+    "without fullgraph=True, upgrade diffusers to >= 0.39.0, or pass encoder_hidden_states_mask=None."
 )
 
 
@@ -86,40 +82,36 @@ def _rank_order(x: torch.Tensor, dim: int, text_len: int, image_len: int, degree
     return torch.cat([text, image], dim=dim + 1).flatten(dim, dim + 1)
 
 
-# The last mask read: (the mask, weakly; its version counter; whether it masks anything).
-_last: tuple[weakref.ref[torch.Tensor], int, bool] | None = None
-# The last reorder: (the mask, weakly; its version counter; text and image length and degree; the result).
-_last_order: tuple[weakref.ref[torch.Tensor], int, tuple[int, int, int], torch.Tensor] | None = None
+# The last answer about a mask: (the mask, weakly; its version counter; the question; the answer). A mask built
+# once and handed to every layer is read, or reordered, once.
+_last: tuple[weakref.ref[torch.Tensor], int, Any, Any] | None = None
+
+
+def _once(mask: torch.Tensor, question: Any, answer: Callable[[], Any]) -> Any:
+    """``answer()`` about ``mask``, computed once per mask object, version and ``question`` (the last one kept)."""
+    global _last
+    last = _last
+    if last is not None and last[0]() is mask and last[1] == mask._version and last[2] == question:
+        return last[3]
+    result = answer()
+    if not mask.is_inference():  # an inference tensor has no version counter
+        _last = (weakref.ref(mask, _forget), mask._version, question, result)
+    return result
+
+
+def _forget(_: object) -> None:
+    global _last
+    _last = None  # the source mask is gone: do not keep what was computed from it alive
 
 
 def _masks_something(mask: torch.Tensor) -> bool:
-    global _last
-    last = _last
-    if last is not None and last[0]() is mask and last[1] == mask._version:
-        return last[2]
-    masks = not bool(mask.all()) if mask.dtype == torch.bool else bool(mask.ne(0).any())
-    if not mask.is_inference():  # an inference tensor has no version counter
-        _last = (weakref.ref(mask), mask._version, masks)
-    return masks
+    return _once(mask, "masks", lambda: not bool(mask.all()) if mask.dtype == torch.bool else bool(mask.ne(0).any()))
 
 
 def _reordered(mask: torch.Tensor, text_len: int, image_len: int, degree: int) -> torch.Tensor:
     """:func:`rank_ordered_mask` of ``mask`` (2-D (B, S) read as [B, 1, 1, S]), once per mask object and version."""
-    global _last_order
-    key = (text_len, image_len, degree)
-    last = _last_order
-    if last is not None and last[0]() is mask and last[1] == mask._version and last[2] == key:
-        return last[3]
     full = mask[:, None, None, :] if mask.dim() == 2 else mask
-    ordered = rank_ordered_mask(full, text_len, image_len, degree)
-    if not mask.is_inference():  # an inference tensor has no version counter
-        _last_order = (weakref.ref(mask, _forget), mask._version, key, ordered)
-    return ordered
-
-
-def _forget(_: object) -> None:
-    global _last_order
-    _last_order = None  # the source mask is gone: do not keep its reorder alive
+    return _once(mask, (text_len, image_len, degree), lambda: rank_ordered_mask(full, text_len, image_len, degree))
 
 
 @torch.compiler.assume_constant_result
@@ -151,11 +143,10 @@ def _qwen_frame(frame: types.FrameType | None) -> types.FrameType | None:
 
 def _text_len_local(frame: types.FrameType) -> int | None:
     """The rank-local text length from the processor's locals (``seq_txt``, else its ``encoder_hidden_states``)."""
-    local = frame.f_locals
-    text = local.get(_TEXT_LEN_LOCAL)
+    text = frame.f_locals.get(_TEXT_LEN_LOCAL)
     if isinstance(text, int) and not isinstance(text, bool):
         return text
-    stream = local.get("encoder_hidden_states")
+    stream = frame.f_locals.get("encoder_hidden_states")
     if isinstance(stream, torch.Tensor) and stream.dim() >= 2:
         return int(stream.shape[1])
     return None
@@ -201,25 +192,14 @@ def in_kv_order(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     frame = _qwen_frame(sys._getframe(1))
     if frame is None:
         return attn_mask
-    try:
-        return _in_kv_order(attn_mask, query, key, degree, frame)
-    finally:
-        del frame  # a frame kept alive keeps the processor's tensors alive
-
-
-def _in_kv_order(
-    mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor, degree: int, frame: types.FrameType
-) -> torch.Tensor:
-    """QwenImage's ``mask`` in the K/V's rank order; :class:`UnsafeAttentionError` where that cannot be done and
-    the mask masks something; the mask as it came where it masks nothing."""
     text_local = _text_len_local(frame)
-    problem = _layout_problem(mask, query, key, degree, text_local)
+    del frame  # a frame kept alive (by a refusal's traceback) keeps the processor's tensors alive
+    problem = _layout_problem(attn_mask, query, key, degree, text_local)
     if problem is None and text_local is not None:
-        image_local = key.shape[1] - text_local
-        return _reordered(mask, text_local * degree, image_local * degree, degree)
-    if _masks_something(mask):
+        return _reordered(attn_mask, text_local * degree, (key.shape[1] - text_local) * degree, degree)
+    if _masks_something(attn_mask):
         raise UnsafeAttentionError(MESSAGE.format(degree=degree, layout=problem))
-    return mask
+    return attn_mask
 
 
 def _call(forward: Any, args: tuple[Any, ...], seq_txt: int) -> Any:
@@ -249,20 +229,18 @@ def _padded_global_mask() -> tuple[torch.Tensor, torch.Tensor]:
     text, image = _TEXT_LOCAL * _WORLD, _IMAGE_LOCAL * _WORLD
     mask = torch.ones(_BATCH, 1, 1, text + image, dtype=torch.bool)
     mask[..., text - 1] = False
-    order: list[int] = []
-    for rank in range(_WORLD):
-        order += range(rank * _TEXT_LOCAL, (rank + 1) * _TEXT_LOCAL)
-        order += range(text + rank * _IMAGE_LOCAL, text + (rank + 1) * _IMAGE_LOCAL)
+    position = torch.arange(text + image)
+    order = torch.cat([position[:text].view(_WORLD, -1), position[text:].view(_WORLD, -1)], dim=1).flatten()
     return mask, mask[..., order]
 
 
-def _qwen_call(forward: Any, mesh: Any, mask: torch.Tensor) -> None:
-    """Calls ``forward`` at Ulysses degree 2 with ``mask`` from a stand-in of QwenImage's attention processor;
-    raises what the forward raises. The attention op raises ``_detect.ReachedOp`` with the mask it got."""
+def _from_qwen() -> dict[str, Any]:
+    """:func:`_detect.call_ulysses`' arguments for a call at Ulysses degree 2 from a stand-in of QwenImage's
+    attention processor."""
     model = type(QWEN_MODEL, (), {"_cp_plan": {"transformer_blocks.0": {"hidden_states": None}}})
     call_from_qwen = _detect.with_globals(_call, __name__=QWEN_MODULE, **{QWEN_MODEL: model})
     via = functools.partial(call_from_qwen, seq_txt=_TEXT_LOCAL)
-    _detect.call_ulysses(forward, mask, mesh, degree=_WORLD, shape=(_BATCH, _SEQ, _HEADS, _DIM), via=via)
+    return {"degree": _WORLD, "shape": (_BATCH, _SEQ, _HEADS, _DIM), "via": via}
 
 
 def _shipped_gathers(shipped: Any) -> bool | str:
@@ -271,33 +249,14 @@ def _shipped_gathers(shipped: Any) -> bool | str:
     if not isinstance(shipped, types.FunctionType):
         return f"the innermost forward is a {type(shipped).__name__}, not a function"
     mask = _padded_local_mask()
-    try:
-        _qwen_call(_detect.with_globals(shipped, **_detect.ULYSSES_STAND_INS), _detect.FAKE_MESH, mask)
-    except _detect.ReachedOp as reached:
-        if reached.mask is mask:
-            return False
-        if isinstance(reached.mask, torch.Tensor) and reached.mask.shape[-1] == _SEQ * _WORLD:
-            return True
-        return f"the op got {getattr(reached.mask, 'shape', reached.mask)} for a local mask of {_SEQ} positions"
-    except Exception as exc:  # noqa: BLE001 - an unknown build: say so
-        return f"{type(exc).__name__}: {exc}"
-    return "the forward returned without calling the attention op"
-
-
-def _mask_entering_shipped(forward: Any, shipped: Any, mask: torch.Tensor) -> torch.Tensor | str:
-    """The mask diffusers' own forward receives when the installed ``forward`` is called from QwenImage's
-    stand-in with ``mask`` (read off diffusers' frame where it asks for its process group); a text if not."""
-    try:
-        _qwen_call(forward, _detect.STOP_MESH, mask)
-    except _detect.ReachedCollectives as stop:
-        for frame, _ in traceback.walk_tb(stop.__traceback__):
-            if frame.f_code is getattr(shipped, "__code__", None):
-                entering = frame.f_locals.get("attn_mask")
-                return entering if isinstance(entering, torch.Tensor) else f"it received {entering!r}"
-        return "diffusers' own forward was not reached"
-    except _detect.ReachedOp:
-        return "the op was reached without diffusers' own forward asking for its process group"
-    return "the forward returned without asking for its process group"
+    reached = _detect.op_reached(shipped, shipped, mask, **_from_qwen())
+    if isinstance(reached, str):
+        return reached
+    if reached.mask is mask:
+        return False
+    if isinstance(reached.mask, torch.Tensor) and reached.mask.shape[-1] == _SEQ * _WORLD:
+        return True
+    return f"the op got {getattr(reached.mask, 'shape', reached.mask)} for a local mask of {_SEQ} positions"
 
 
 def check(lookup: Lookup) -> Finding:
@@ -312,12 +271,9 @@ def check(lookup: Lookup) -> Finding:
         return Finding("ok", "Ulysses gathers a sequence-local mask into the K/V's order before the op")
     # diffusers' forward hands the op the mask as it came: what reaches it from QwenImage's processor?
     mask, expected = _padded_global_mask()
-    try:
-        entering = _mask_entering_shipped(forward, shipped, mask)
-    except UnsafeAttentionError:
+    entering = _detect.mask_entering(forward, mask, **_from_qwen())
+    if isinstance(entering, str) and entering.startswith(UnsafeAttentionError.__name__):
         return Finding("ok", "QwenImage's joint mask, which Ulysses would hand on in another token order, is refused")
-    except Exception as exc:  # noqa: BLE001 - an unknown build: say so
-        return Finding("unknown", f"the Ulysses forward could not be run in one process ({type(exc).__name__}: {exc})")
     if isinstance(entering, str):
         return Finding("unknown", f"the Ulysses forward could not be run in one process ({entering})")
     if entering.shape == expected.shape and torch.equal(entering, expected):

@@ -8,7 +8,6 @@ step; other ops, and a mask, dropout, causal or GQA at degree > 1, are refused (
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,14 +49,12 @@ def unsupported_backend_message(backward_op: Any) -> str:
     name = f"{getattr(backward_op, '__module__', '?')}.{getattr(backward_op, '__qualname__', repr(backward_op))}"
     return (
         "diffusers_cudnn_fix: ring context parallelism (ring_degree > 1, also unified attention) in this diffusers "
-        "release computes wrong gradients (every ring step's backward reuses the first step's tensors; fixed "
-        "upstream in diffusers 0.40.0, huggingface/diffusers#14274). The package corrects it for the "
-        "_native_cudnn and _native_flash attention backends, with their corrected "
-        f"backward ops in place (fixes cudnn_backward_kv, flash_backward_kv); this call's backward op is {name}. "
-        "Use one of those backends for ring training, Ulysses context parallelism "
-        "(ContextParallelConfig(ulysses_degree=...)), or diffusers >= 0.40 (ring right with every backend at "
-        f"ring_degree 2, and at any degree with these two and this package). DIFFUSERS_CUDNN_FIX_SKIP={FIX_ID} "
-        "lets diffusers' own (wrong) ring backward run."
+        "computes wrong gradients: every ring step's backward reuses the first step's tensors (fixed in diffusers "
+        "0.40.0, huggingface/diffusers#14274). The package corrects it for the _native_cudnn and _native_flash "
+        f"backends with their corrected backward ops (fixes cudnn_backward_kv, flash_backward_kv); this call's is "
+        f"{name}. Use one of those backends, Ulysses (ContextParallelConfig(ulysses_degree=...)), or diffusers >= "
+        "0.40 (right with every backend at ring_degree 2, at any with these two and this package). "
+        f"DIFFUSERS_CUDNN_FIX_SKIP={FIX_ID} lets diffusers' own (wrong) ring backward run."
     )
 
 
@@ -67,38 +64,30 @@ def unsupported_backend_message(backward_op: Any) -> str:
 _BATCH, _SEQ, _HEADS, _DIM = 1, 4, 2, 8
 
 
-@dataclass
-class _Seen:
-    """What the check's stand-in ops saw, each tensor by its mean (the check's tensors are constant, so the mean
-    names one whatever its layout): per forward step the K, per backward call the K and the output."""
-
-    forward_keys: list[float]
-    backward_keys: list[float]
-    backward_outs: list[float]
-
-
 def _mean(x: torch.Tensor) -> float:
     return float(x.float().mean())
 
 
-def _drive(forward: Any, backward: Any, lse_ndim: int) -> tuple[_Seen, float | None, str | None]:
+def _drive(forward: Any, backward: Any, lse_ndim: int) -> tuple[dict[str, list[float]], float | None, str | None]:
     """Run ``forward`` then ``backward`` for ring degree 2 as rank 0, in this process.
 
     Our K/V are zeros and rank 1's ones (the stand-in all-gather adds 1), so a step that uses them shows it.
     The stand-in forward op saves kernel-layout tensors as the 0.36-0.39 ops do and returns a log-sum-exp of
     ``lse_ndim`` dims; each step's output differs, so the merged output differs from every step's. Returns
-    what the ops saw, the mean of the forward's output and the error text of a failure (None if none).
+    what the ops saw (each tensor by its mean: the tensors are constant, so the mean names one whatever its
+    layout; per forward step the K, per backward call the K and the output), the mean of the forward's output
+    and the error text of a failure (None if none).
     """
-    seen = _Seen([], [], [])
+    seen: dict[str, list[float]] = {"forward_keys": [], "backward_keys": [], "backward_outs": []}
 
     def step(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        seen.forward_keys.append(_mean(k))
+        seen["forward_keys"].append(_mean(k))
         return k + 2.0, (k[..., 0].clone() if lse_ndim == 3 else k[..., :1].clone())
 
     def backward_op(ctx: Any, grad: torch.Tensor, *a: Any, **kw: Any) -> tuple[torch.Tensor, ...]:
         saved = ctx.saved_tensors
-        seen.backward_keys.append(_mean(kw["key"] if kw.get("key") is not None else saved[1]))
-        seen.backward_outs.append(_mean(kw["out"] if kw.get("out") is not None else saved[3]))
+        seen["backward_keys"].append(_mean(kw["key"] if kw.get("key") is not None else saved[1]))
+        seen["backward_outs"].append(_mean(kw["out"] if kw.get("out") is not None else saved[3]))
         return torch.zeros(ctx.q_shape), torch.zeros(ctx.kv_shape), torch.zeros(ctx.kv_shape)
 
     try:
@@ -120,16 +109,16 @@ def check(lookup: Lookup) -> Finding:
     # The cuDNN op's log-sum-exp is 4-D from torch 2.9 on, the flash op's 3-D: try the 4-D one first.
     note = ""
     seen, merged, error = _drive(forward, backward, lse_ndim=4)
-    if error is not None and not seen.backward_keys:
+    if error is not None and not seen["backward_keys"]:
         note = f" (the forward also fails on a 4-D log-sum-exp: {error})"
         seen, merged, error = _drive(forward, backward, lse_ndim=3)
-    if error is not None or len(seen.backward_keys) != 2 or len(seen.forward_keys) != 2:
+    if error is not None or len(seen["backward_keys"]) != 2 or len(seen["forward_keys"]) != 2:
         return Finding(
-            "unknown", f"the ring attention could not be run in one process ({error or len(seen.backward_keys)})"
+            "unknown", f"the ring attention could not be run in one process ({error or len(seen['backward_keys'])})"
         )
-    if sorted(seen.backward_keys) != sorted(seen.forward_keys):
+    if sorted(seen["backward_keys"]) != sorted(seen["forward_keys"]):
         return Finding("broken", f"the ring steps' backward does not see each step's K/V{note}")
-    if any(out != merged for out in seen.backward_outs):
+    if any(out != merged for out in seen["backward_outs"]):
         return Finding("broken", f"the ring steps' backward is handed a single step's output, not the merged one{note}")
     if note:
         return Finding("broken", f"each ring step's backward sees that step's K/V, but{note}")

@@ -27,14 +27,12 @@ OPS = {"_cudnn_attention_backward_op": "_native_cudnn", "_native_flash_attention
 def unsupported_backend_message(backward_op: Any, degree: int) -> str:
     name = f"{getattr(backward_op, '__module__', '?')}.{getattr(backward_op, '__qualname__', repr(backward_op))}"
     return (
-        f"diffusers_cudnn_fix: this diffusers release's ring attention backward computes wrong key/value "
-        f"gradients from ring_degree 3 on (it passes the K/V gradient accumulator the other way round the ring "
-        f"from the K/V chunks); this call has ring_degree {degree}. The package corrects it for the "
-        f"{' and '.join(sorted(set(OPS.values())))} attention backends; this call's backward op is {name}. Use "
-        f"one of those backends, or ring_degree=2 with Ulysses for the rest of the parallelism "
-        f"(ContextParallelConfig(ring_degree=2, ulysses_degree=...)), or Ulysses alone. Ring inference (no "
-        f"backward) is not affected. DIFFUSERS_CUDNN_FIX_SKIP={FIX_ID} lets diffusers' own (wrong) ring "
-        f"backward run."
+        "diffusers_cudnn_fix: this diffusers' ring attention backward computes wrong K/V gradients from ring_degree "
+        f"3 on (it passes the K/V gradient accumulator the other way round the ring from the K/V chunks); this call "
+        f"has ring_degree {degree}. The package corrects it for the {' and '.join(sorted(set(OPS.values())))} "
+        f"backends; this call's backward op is {name}. Use one of those, ring_degree=2 with Ulysses for the rest "
+        "(ContextParallelConfig(ring_degree=2, ulysses_degree=...)), or Ulysses alone; ring inference is not "
+        f"affected. DIFFUSERS_CUDNN_FIX_SKIP={FIX_ID} lets diffusers' own (wrong) ring backward run."
     )
 
 

@@ -10,8 +10,6 @@ requires grad, under ``torch.no_grad()`` too (it cannot be told apart there; doc
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from .. import _detect
@@ -25,9 +23,8 @@ MASK_INPUT = 3
 
 MESSAGE = (
     "diffusers_cudnn_fix: the attention mask requires grad, but diffusers' Ulysses context-parallel attention "
-    "gives the mask no gradient (its backward returns none for it, so the mask's .grad would silently stay "
-    "None). Pass attn_mask.detach() if the mask needs no gradient, or train the mask without context "
-    "parallelism."
+    "gives it no gradient (its .grad would silently stay None). Pass attn_mask.detach() if it needs none, or "
+    "train the mask without context parallelism."
 )
 
 
@@ -35,20 +32,6 @@ def refuse_mask_grad(attn_mask: torch.Tensor) -> None:
     """Raises for a mask that requires grad (diffusers gives it none)."""
     if attn_mask.requires_grad:
         raise UnsafeAttentionError(MESSAGE)
-
-
-def _forward_refuses(forward: Any, shipped: Any) -> tuple[bool | None, str | None]:
-    """Whether ``forward`` refuses a mask that requires grad (Ulysses degree 1, stand-in collectives)."""
-    run = _detect.with_stand_ins(forward, shipped, **_detect.ULYSSES_STAND_INS)
-    try:
-        _detect.call_ulysses(run, torch.zeros(1, 1, 4, 4, requires_grad=True), _detect.FAKE_MESH, degree=1)
-    except UnsafeAttentionError:
-        return True, None
-    except _detect.ReachedOp:
-        return False, None
-    except Exception as exc:  # noqa: BLE001 - an unknown build: say so
-        return None, f"{type(exc).__name__}: {exc}"
-    return None, "the forward returned without calling the attention op"
 
 
 def check(lookup: Lookup) -> Finding:
@@ -60,9 +43,13 @@ def check(lookup: Lookup) -> Finding:
         return Finding("unknown", f"the Ulysses backward could not be run in one process ({error or len(grads or ())})")
     if grads[MASK_INPUT] is not None:
         return Finding("ok", "the Ulysses backward returns a gradient for the mask")
-    refuses, error = _forward_refuses(forward, shipped_of(lookup, TARGET))
-    if refuses is None:
-        return Finding("unknown", f"the Ulysses forward could not be run in one process ({error})")
-    if refuses:
+    # Does the forward (Ulysses degree 1, stand-in collectives) refuse a mask that requires grad?
+    mask = torch.zeros(1, 1, 4, 4, requires_grad=True)
+    reached = _detect.op_reached(forward, shipped_of(lookup, TARGET), mask, degree=1)
+    if isinstance(reached, _detect.ReachedOp):
+        return Finding(
+            "broken", "the Ulysses backward gives the mask no gradient, and the forward takes one requiring it"
+        )
+    if reached.startswith(UnsafeAttentionError.__name__):
         return Finding("ok", "the Ulysses forward refuses a mask that requires grad, which its backward never gives")
-    return Finding("broken", "the Ulysses backward gives the mask no gradient, and the forward takes one requiring it")
+    return Finding("unknown", f"the Ulysses forward could not be run in one process ({reached})")
