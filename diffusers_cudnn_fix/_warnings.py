@@ -79,18 +79,21 @@ def _is_user_frame(frame: FrameType) -> bool:
     return not isinstance(name, str) or name.partition(".")[0] not in _NOT_USER_CODE
 
 
-def report(message: str, category: type[DiffusersCudnnFixWarning]) -> None:
-    """Log ``message`` at WARNING and emit it as a warning of ``category`` filed at the user's frame.
+def report(message: str, category: type[DiffusersCudnnFixWarning], *, say_where: bool = False) -> None:
+    """Log ``message`` at WARNING and emit it as a warning of ``category`` filed at the user's frame
+    (``say_where``: the message also names that frame's file and line, for the log).
 
     Never raises, even when a filter turns the category into an error: the host's import must not break
     because of us (a user who wants a hard stop uses the strict switches, which raise on purpose).
     """
-    logger.warning(message)
     # The innermost frame of the user's code; None on a stack of ours and the import machinery only
     # (``python -m diffusers_cudnn_fix``, or autograd's own thread).
     frame: FrameType | None = sys._getframe(1)
     while frame is not None and not _is_user_frame(frame):
         frame = frame.f_back
+    if say_where and frame is not None:
+        message = f"{message} Called from {frame.f_code.co_filename}:{frame.f_lineno}."
+    logger.warning(message)
     try:
         if frame is None:
             warnings.warn(message, category, stacklevel=2)

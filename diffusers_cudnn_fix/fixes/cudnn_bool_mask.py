@@ -61,10 +61,7 @@ def _warn_once(category: type[_warnings.DiffusersCudnnFixWarning], message: str)
     if torch.compiler.is_compiling():
         return
     _warned.add(category)
-    frame = _warnings.user_frame()
-    where = "" if frame is None else f" Called from {frame.f_code.co_filename}:{frame.f_lineno}."
-    del frame  # no reference cycle through the caller's frames
-    _warnings.report(message + where, category)
+    _warnings.report(message, category, say_where=True)
 
 
 def mask_policy(
