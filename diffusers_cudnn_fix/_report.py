@@ -7,6 +7,9 @@ from typing import Any, NamedTuple
 
 from ._switches import ENABLE_VAR, MODULE_NAME, raw_enable_value
 
+#: The fix table's "table" column: what the release table says of the installed release (``FixStatus.expected``).
+TABLE_SAYS = {True: "affected", False: "not affected", None: "unknown"}
+
 
 class FixStatus(NamedTuple):
     """One fix's state.
@@ -77,8 +80,7 @@ class Report(NamedTuple):
             lines.append(f"  {self.problem}")
         if not self.module_loaded and self.fixes:
             lines.append(f"  {MODULE_NAME} not imported yet: fixes apply when it is")
-        table = {True: "affected", False: "not affected", None: "unknown"}
-        rows = [(f.id, table[f.expected], f.detected, f.applied, f.reason) for f in self.fixes]
+        rows = [(f.id, TABLE_SAYS[f.expected], f.detected, f.applied, f.reason) for f in self.fixes]
         # Columns as wide as their longest entry, so that they line up whatever the ids and states.
         id_w, table_w, check_w = (max((len(str(r[i])) for r in rows), default=0) for i in range(3))
         for fix_id, expected, detected, applied, reason in rows:
