@@ -38,8 +38,8 @@ USAGE = f"""{PROG} [doctor] [--json] [--no-gpu] [--verbose]
 DOCTOR_EXIT_STATUSES = f"""\
 exit status of the doctor:
   0   nothing to fix here, or everything this diffusers needs is active and verified on this GPU
-  1   something this diffusers needs is not active (package switched off, a fix skipped, or a replacement
-      that failed its check), or the GPU probe failed
+  1   something this diffusers needs is not active (switched off, a fix skipped or failing its check) or the GPU
+      probe failed
   2   diffusers (or torch) cannot be imported
   3   everything needed is active, but there is no usable GPU here to verify it on
   {EXIT_USAGE}  usage error: an unknown switch or argument
@@ -64,17 +64,15 @@ environment switches (the first value is the default; case-insensitive; all of t
 
 DESCRIPTION = """\
 The doctor: checks the installed diffusers' context-parallel cuDNN / native-flash attention ops by behaviour,
-applies the fixes they need in its own process only, says what to do next, and on a GPU verifies the corrected
-ops against an fp32 reference. For training, add "import diffusers_cudnn_fix" at the top of the entry point, or
-start it through the launcher: diffusers-cudnn-fix run -- torchrun --nproc-per-node 8 train.py ...
+applies the fixes they need in its own process only, says what to do next (import diffusers_cudnn_fix at the top
+of the training entry point, or start it with "run"), and on a GPU verifies the corrected ops against fp32.
 """
 
 RUN_DESCRIPTION = """\
-Run COMMAND with diffusers_cudnn_fix active in every Python process it starts (torchrun, accelerate and
-multiprocessing workers included), without the script importing it: a start-up hook goes first on PYTHONPATH in
-COMMAND's environment, and the launcher becomes COMMAND. Not covered: Python started with -S, -I or -E, and
-children started with an environment that drops PYTHONPATH.
-  e.g. diffusers-cudnn-fix run -- torchrun --nproc-per-node 8 train_dreambooth_flux.py ...
+Run COMMAND with diffusers_cudnn_fix active in every Python process it starts (torchrun, accelerate, multiprocessing
+workers), without the script importing it: a start-up hook goes first on PYTHONPATH in COMMAND's environment. Not
+covered: Python started with -S, -I or -E, and children whose environment drops PYTHONPATH. For example:
+  diffusers-cudnn-fix run -- torchrun --nproc-per-node 8 train_dreambooth_flux.py ...
 """
 
 _VERDICTS = {EXIT_OK: "OK", EXIT_NOT_SAFE: "NOT SAFE", EXIT_UNVERIFIED: "OK on the check, not verified on a GPU"}
@@ -99,15 +97,15 @@ def _parser(prog: str, usage: str, description: str, epilog: str) -> _Parser:
 def _environment() -> dict[str, Any]:
     import torch
 
-    cuda = torch.cuda.is_available()
+    gpu = None
+    if torch.cuda.is_available():
+        gpu = f"{torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))})"
     return {
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "gpu": f"{torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))})"
-        if cuda
-        else None,
+        "gpu": gpu,
     }
 
 
@@ -159,21 +157,17 @@ def _needs(fixes: list[dict[str, Any]], live: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def release_table() -> list[dict[str, str]]:
-    """Per fix: id, the releases the table lists (a PEP 440 specifier), kind and title (no torch needed)."""
-    from .fixes import ALL_FIXES
-
-    return [{"id": f.id, "affected": f.affected, "kind": f.kind, "title": f.title} for f in ALL_FIXES]
-
-
 def collect(run_gpu: bool = True) -> tuple[dict[str, Any], int]:
     """Everything the doctor shows, as data, and the exit status."""
     try:
         import diffusers.models.attention_dispatch  # noqa: F401 - fires the hook
         import torch
     except Exception as exc:  # noqa: BLE001
+        from .fixes import ALL_FIXES  # plain data: the release table needs no torch
+
         error = f"cannot import diffusers' attention module: {type(exc).__name__}: {exc}"
-        found = {"version": __version__, "error": error, "release_table": release_table()}
+        table = [{"id": f.id, "affected": f.affected, "kind": f.kind, "title": f.title} for f in ALL_FIXES]
+        found = {"version": __version__, "error": error, "release_table": table}
         return {**found, "exit_status": EXIT_NO_DIFFUSERS}, EXIT_NO_DIFFUSERS
 
     from . import _probe, _registry
@@ -193,12 +187,8 @@ def collect(run_gpu: bool = True) -> tuple[dict[str, Any], int]:
         data["check_after_patching"] = {}
     data["status"] = report.to_dict()
     data.update(_needs(data["status"]["fixes"], live))
-    if not report.ok:
-        code = EXIT_NOT_SAFE
-    elif data["nothing_to_fix"] or "shipped_vs_corrected" in data:  # the latter: verified on a GPU
-        code = EXIT_OK
-    else:
-        code = EXIT_UNVERIFIED
+    verified = data["nothing_to_fix"] or "shipped_vs_corrected" in data  # nothing to verify, or verified on a GPU
+    code = EXIT_NOT_SAFE if not report.ok else (EXIT_OK if verified else EXIT_UNVERIFIED)
     data["exit_status"] = code
     return data, code
 
@@ -206,25 +196,19 @@ def collect(run_gpu: bool = True) -> tuple[dict[str, Any], int]:
 # ------------------------------------------------------------------------------------------------------------
 # Text
 # ------------------------------------------------------------------------------------------------------------
-def _wrap(text: str, indent: str = "", width: int = 100) -> str:
+def _wrap(text: str, indent: str = "") -> str:
     """The whole of ``text``, wrapped: nothing the doctor prints is cut."""
-    return textwrap.fill(text, width=width, initial_indent=indent, subsequent_indent=indent, break_long_words=False)
+    return textwrap.fill(text, width=100, initial_indent=indent, subsequent_indent=indent, break_long_words=False)
 
 
-def _columns(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
-    """Rows as aligned columns, each as wide as its widest cell."""
+def _columns(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Rows as aligned columns, each as wide as its widest cell, indented by two spaces."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return [indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-
-
-#: Outcomes that say all there is to say; any other prints the reason under the title.
-_SELF_EXPLAINING = frozenset(
-    {"corrected", "guarded", "not needed", "no such code", "package off", "NOT ACTIVE (package off)"}
-    | {"skipped", "NOT FIXED (skipped)"}
-)
+    return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
 def _outcome(fix: dict[str, Any], kind: str) -> str:
+    """The fix table's result cell: a word that says why, or else "NOT FIXED" or the bare check state."""
     if fix["applied"]:
         return "corrected" if kind == "correction" else "guarded"
     if fix["detected"] == "disabled":
@@ -332,7 +316,7 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
         print(_wrap(f["title"], "      "))
         if f["applied"] and note is not None:
             print(_wrap(note(), "      "))
-        if verbose or outcome not in _SELF_EXPLAINING:
+        if verbose or outcome in ("NOT FIXED", f["detected"]):  # the result does not say why: the reason does
             print(_wrap(f"why: {f['reason']}", "      "))
     for ref in status["stale_references"]:
         print(_wrap(f"still holds a shipped function: {ref}", "  "))
@@ -360,13 +344,8 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
             if row["error"]:
                 print(_wrap(f"{row['variant']} raises {row['error']}", "  "))
     if not data["nothing_to_fix"] and status["ok"] and probe is not None and probe["state"] == "skipped":
-        print(
-            "\n"
-            + _wrap(
-                "Not verified on a GPU here: the behavioural check above ran (on CPU, no GPU needed), the GPU probe "
-                "could not. It runs by itself on the first CUDA call of a corrected op."
-            )
-        )
+        print("\nNot verified on a GPU here: the behavioural check above ran (on CPU, no GPU needed), the GPU probe")
+        print("could not. It runs by itself on the first CUDA call of a corrected op.")
     print(f"\nverdict: {_VERDICTS[data['exit_status']]} (exit status {data['exit_status']})")
 
 
