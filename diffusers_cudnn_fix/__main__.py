@@ -17,8 +17,7 @@ import os
 import sys
 import textwrap
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import __version__, _launcher, _switches, status
@@ -38,8 +37,7 @@ USAGE = f"""{PROG} [doctor] [--json] [--no-gpu] [--verbose]
 DOCTOR_EXIT_STATUSES = f"""\
 exit status of the doctor:
   0   nothing to fix here, or everything this diffusers needs is active and verified on this GPU
-  1   something this diffusers needs is not active (switched off, a fix skipped or failing its check) or the GPU
-      probe failed
+  1   something needed is not active (switched off, a fix skipped or failing its check), or the GPU probe failed
   2   diffusers (or torch) cannot be imported
   3   everything needed is active, but there is no usable GPU here to verify it on
   {EXIT_USAGE}  usage error: an unknown switch or argument
@@ -233,24 +231,21 @@ def _next_step(data: dict[str, Any]) -> list[str]:
     status, version = data["status"], data["status"]["diffusers_version"]
     needing = [f for f in status["fixes"] if f["needs_attention"]]
     if not status["ok"] and not status["enabled"]:
-        return [
-            _wrap(
-                f"NOT SAFE: the package is switched off ({_switched_off_by()}), and diffusers {version} needs "
-                f"its fixes ({', '.join(f['id'] for f in needing)}). Unset {_switches.ENABLE_VAR} (or set it to 1) "
-                "to turn it on."
-            )
-        ]
+        switched_off = (
+            f"NOT SAFE: the package is switched off ({_switched_off_by()}), and diffusers {version} needs "
+            f"its fixes ({', '.join(f['id'] for f in needing)}). Unset {_switches.ENABLE_VAR} (or set it to 1) "
+            "to turn it on."
+        )
+        return [_wrap(switched_off)]
     if not status["ok"]:
         failed = [p for p in status["probes"] if p["state"] == "failed"]
         lines = [f"NOT SAFE: diffusers {version} needs fixes that are not active here:"]
         lines += [_wrap(f"{f['id']}: {f['reason']}", "  - ") for f in needing]
         lines += [_wrap(f"the GPU probe failed on {p['device']}: {p['reason']} (table below)", "  - ") for p in failed]
+        way_out = "Do not train with this backend under context parallelism here; please report this case."
         if any(f["reason"].startswith("skipped") for f in needing):
-            return [
-                *lines,
-                "Take those ids out of DIFFUSERS_CUDNN_FIX_SKIP, or do not train with this backend under CP.",
-            ]
-        return [*lines, "Do not train with this backend under context parallelism here; please report this case."]
+            way_out = "Take those ids out of DIFFUSERS_CUDNN_FIX_SKIP, or do not train with this backend under CP."
+        return [*lines, way_out]
     if data["nothing_to_fix"]:
         return [
             f"Nothing to fix here: diffusers {version} needs none of this package's fixes. You do not need it;",
@@ -367,24 +362,6 @@ def _run_command(argv: list[str]) -> int:
     return _launcher.run(command)
 
 
-@contextmanager
-def _warnings_as_lines() -> Iterator[None]:
-    """The package's warnings raised while the doctor works, shown as ``diffusers-cudnn-fix: Category:
-    message``: the doctor is the user's code here, so there is no line of theirs to file them at."""
-    stock = warnings.formatwarning
-
-    def formatwarning(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> str:
-        if issubclass(category, DiffusersCudnnFixWarning):
-            return f"{PROG}: {category.__name__}: {message}\n"
-        return stock(message, category, *args, **kwargs)
-
-    warnings.formatwarning = formatwarning
-    try:
-        yield
-    finally:
-        warnings.formatwarning = stock
-
-
 def main(argv: list[str] | None = None) -> int:
     """The command line: the doctor (no command, or ``doctor``), or ``run -- COMMAND [ARGS...]``."""
     args_list = list(sys.argv[1:] if argv is None else argv)
@@ -394,12 +371,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--no-gpu", action="store_true", help="skip the GPU probe and the error table")
-    parser.add_argument(
-        "--verbose", "-v", action="store_true", help="also show each check's evidence, and the checks after patching"
-    )
+    parser.add_argument("--verbose", "-v", action="store_true", help="also the checks' evidence and the live checks")
     args = parser.parse_args(args_list[1:] if args_list[:1] == ["doctor"] else args_list)
-    with _warnings_as_lines():
+    stock = warnings.formatwarning
+
+    def formatwarning(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> str:
+        # The doctor is the user's code here: no line of theirs to file the package's warnings at, so one line each.
+        if issubclass(category, DiffusersCudnnFixWarning):
+            return f"{PROG}: {category.__name__}: {message}\n"
+        return stock(message, category, *args, **kwargs)
+
+    warnings.formatwarning = formatwarning
+    try:
         data, code = collect(run_gpu=not args.no_gpu)
+    finally:
+        warnings.formatwarning = stock
     try:
         if args.json:
             print(json.dumps(data, default=str))

@@ -82,4 +82,3 @@ def run(command: Sequence[str], environ: Mapping[str, str] | None = None) -> int
     except OSError as exc:
         print(f"diffusers-cudnn-fix run: {program}: cannot run it: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_NOT_EXECUTABLE
-    raise AssertionError("os.execvpe returned")  # pragma: no cover - exec never returns
