@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import __version__, _launcher, _switches, status
+from ._report import TABLE_SAYS, switched_off_by
 from ._warnings import DiffusersCudnnFixWarning
 
 EXIT_OK, EXIT_NOT_SAFE, EXIT_NO_DIFFUSERS, EXIT_UNVERIFIED = 0, 1, 2, 3
@@ -232,7 +233,7 @@ def _next_step(data: dict[str, Any]) -> list[str]:
     needing = [f for f in status["fixes"] if f["needs_attention"]]
     if not status["ok"] and not status["enabled"]:
         switched_off = (
-            f"NOT SAFE: the package is switched off ({_switched_off_by()}), and diffusers {version} needs "
+            f"NOT SAFE: the package is switched off ({switched_off_by()}), and diffusers {version} needs "
             f"its fixes ({', '.join(f['id'] for f in needing)}). Unset {_switches.ENABLE_VAR} (or set it to 1) "
             "to turn it on."
         )
@@ -268,11 +269,6 @@ def _next_step(data: dict[str, Any]) -> list[str]:
     ]
 
 
-def _switched_off_by() -> str:
-    """The master switch as the user spelled it (``DIFFUSERS_CUDNN_FIX='OFF'``)."""
-    return f"{_switches.ENABLE_VAR}={_switches.raw_enable_value()!r}"
-
-
 def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
     if "error" in data:
         print(f"diffusers_cudnn_fix {data['version']} doctor: {data['error']}")
@@ -283,7 +279,6 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
         print("\n".join(_columns([("fix", "releases", "kind"), *listed])))
         print(f"\nexit status {EXIT_NO_DIFFUSERS}")
         return
-    from ._report import TABLE_SAYS
     from .fixes import ALL_FIXES
 
     fixes_by_id = {fix.id: fix for fix in ALL_FIXES}
@@ -295,7 +290,7 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
         f"GPU {env['gpu'] or 'none'}"
     )
     if not status["enabled"]:
-        print(f"diffusers_cudnn_fix is SWITCHED OFF by {_switched_off_by()}")
+        print(f"diffusers_cudnn_fix is SWITCHED OFF by {switched_off_by()}")
 
     print("\nfixes (table: the release table lists this release; check: what the check found in the shipped code):")
     rows = [("fix", "table", "check", "applied", "result")]

@@ -11,6 +11,11 @@ from ._switches import ENABLE_VAR, MODULE_NAME, raw_enable_value
 TABLE_SAYS = {True: "affected", False: "not affected", None: "unknown"}
 
 
+def switched_off_by() -> str:
+    """The master switch as the user spelled it (``DIFFUSERS_CUDNN_FIX='OFF'``), for messages that quote it."""
+    return f"{ENABLE_VAR}={raw_enable_value()!r}"
+
+
 class FixStatus(NamedTuple):
     """One fix's state.
 
@@ -92,8 +97,5 @@ class Report(NamedTuple):
         lines += [f"  GPU probe {p.device}: {p.state} ({p.reason})" for p in self.probes]
         verdict = "OK" if self.ok else "NOT SAFE: see the lines above"
         if not self.ok and not self.enabled:
-            verdict = (
-                f"NOT SAFE: the package is switched off ({ENABLE_VAR}={raw_enable_value()!r}) on a release that "
-                "needs its fixes"
-            )
+            verdict = f"NOT SAFE: the package is switched off ({switched_off_by()}) on a release that needs its fixes"
         return "\n".join([*lines, f"  verdict: {verdict}"])
