@@ -17,11 +17,11 @@ import os
 import sys
 import textwrap
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from . import __version__, _launcher, _switches
+from . import __version__, _launcher, _switches, status
+from ._report import TABLE_SAYS, switched_off_by
 from ._warnings import DiffusersCudnnFixWarning
 
 EXIT_OK, EXIT_NOT_SAFE, EXIT_NO_DIFFUSERS, EXIT_UNVERIFIED = 0, 1, 2, 3
@@ -30,89 +30,64 @@ EXIT_OK, EXIT_NOT_SAFE, EXIT_NO_DIFFUSERS, EXIT_UNVERIFIED = 0, 1, 2, 3
 EXIT_USAGE = 64
 
 PROG = "diffusers-cudnn-fix"
-_TENSORS = ("out", "dq", "dk", "dv")  # the probe's (_probe.TENSORS), whose module needs torch
+
+USAGE = f"""{PROG} [doctor] [--json] [--no-gpu] [--verbose]
+       {PROG} run [--] COMMAND [ARGS...]
+       {PROG} --version"""
 
 DOCTOR_EXIT_STATUSES = f"""\
 exit status of the doctor:
-  0   nothing to fix here (this diffusers needs none of the fixes), or everything it needs is
-      active in the doctor's process and the GPU probe verified it on this GPU
-  1   something this diffusers needs is not active (package switched off, a fix skipped, or
-      a replacement that failed its check), or the GPU probe failed
+  0   nothing to fix here, or everything this diffusers needs is active and verified on this GPU
+  1   something needed is not active (switched off, a fix skipped or failing its check), or the GPU probe failed
   2   diffusers (or torch) cannot be imported
   3   everything needed is active, but there is no usable GPU here to verify it on
   {EXIT_USAGE}  usage error: an unknown switch or argument
 """
 
 RUN_EXIT_STATUSES = f"""\
-exit status of "run":
-  the command's own: the launcher becomes the command, so a command ended by a signal ends
-  by that signal (a shell shows 128 + its number), as if it had been started directly;
+exit status of "run": the command's own (the launcher becomes the command: one ended by a signal ends by that
+signal, a shell shows 128 + its number, as if it had been started directly), or
   {_launcher.EXIT_NOT_EXECUTABLE} the command was found but cannot be run
   {_launcher.EXIT_NOT_FOUND} the command is not found
   {EXIT_USAGE}  usage error: no COMMAND, or an unknown switch before "--"
 """
 
 ENVIRONMENT = """\
-environment switches (values are case-insensitive):
-  DIFFUSERS_CUDNN_FIX=0|1            0 turns the package off (default 1); the same:
-                                     off: 0 off false no disable disabled
-                                     on:  1 on true yes enable enabled
-  DIFFUSERS_CUDNN_FIX_SKIP=id,...    fixes to leave alone (still checked and reported)
-  DIFFUSERS_CUDNN_FIX_MASK=convert|warn|error
-                                     what a bool or wrongly typed mask reaching the cuDNN
-                                     context-parallel op does (default convert)
-  DIFFUSERS_CUDNN_FIX_PROBE=warn|strict|off
-                                     what a failed GPU probe does (default warn)
+environment switches (the first value is the default; case-insensitive; all of them: docs/behaviour.md, "Switches"):
+  DIFFUSERS_CUDNN_FIX=1|0                      the package on or off; on: 1 on true yes enable enabled,
+                                               off: 0 off false no disable disabled
+  DIFFUSERS_CUDNN_FIX_SKIP=id,...              fixes to leave alone (still checked and reported)
+  DIFFUSERS_CUDNN_FIX_MASK=convert|warn|error  what a bool or wrongly typed mask reaching the cuDNN CP op does
+  DIFFUSERS_CUDNN_FIX_PROBE=warn|strict|off    what a failed GPU probe does
 """
 
 DESCRIPTION = """\
-The doctor: checks the installed diffusers' context-parallel cuDNN / native-flash attention ops by
-behaviour, applies the fixes they need in its own process, says what to do next, and on a GPU
-verifies the corrected ops against an fp32 reference.
-
-The fixes are active only in processes that import diffusers_cudnn_fix. Add
-"import diffusers_cudnn_fix" at the top of the training entry point, or start the training
-through the launcher:
-  diffusers-cudnn-fix run -- torchrun --nproc-per-node 8 train.py ...
+The doctor: checks the installed diffusers' context-parallel cuDNN / native-flash attention ops by behaviour,
+applies the fixes they need in its own process only, says what to do next (import diffusers_cudnn_fix at the top
+of the training entry point, or start it with "run"), and on a GPU verifies the corrected ops against fp32.
 """
 
 RUN_DESCRIPTION = """\
-Run COMMAND with diffusers_cudnn_fix active in every Python process it starts (torchrun,
-accelerate and multiprocessing workers included), without the script importing it. The
-launcher puts a start-up hook first on PYTHONPATH in COMMAND's environment and then becomes
-COMMAND: exit status and signals pass through. Not covered: Python started with -S, -I or -E,
-and children started with an environment that drops PYTHONPATH.
-
-examples:
+Run COMMAND with diffusers_cudnn_fix active in every Python process it starts (torchrun, accelerate, multiprocessing
+workers), without the script importing it: a start-up hook goes first on PYTHONPATH in COMMAND's environment. Not
+covered: Python started with -S, -I or -E, and children whose environment drops PYTHONPATH. For example:
   diffusers-cudnn-fix run -- torchrun --nproc-per-node 8 train_dreambooth_flux.py ...
-  python -m diffusers_cudnn_fix run -- accelerate launch train.py ...
 """
+
+_VERDICTS = {EXIT_OK: "OK", EXIT_NOT_SAFE: "NOT SAFE", EXIT_UNVERIFIED: "OK on the check, not verified on a GPU"}
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse exits 2 on a usage error; 2 already means "diffusers cannot be imported"."""
+    """Plain-text help; a usage error exits 64, as argparse's 2 already means "diffusers cannot be imported"."""
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-def _parser() -> _Parser:
-    parser = _Parser(
-        prog=PROG,
-        usage=f"{PROG} [doctor] [--json] [--no-gpu] [--verbose]\n       {PROG} run [--] COMMAND [ARGS...]"
-        f"\n       {PROG} --version",
-        description=DESCRIPTION,
-        epilog=ENVIRONMENT + "\n" + DOCTOR_EXIT_STATUSES + "\n" + RUN_EXIT_STATUSES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    parser.add_argument("--no-gpu", action="store_true", help="skip the GPU probe and the error table")
-    parser.add_argument(
-        "--verbose", "-v", action="store_true", help="also show each check's evidence, and the checks after patching"
-    )
-    return parser
+def _parser(prog: str, usage: str, description: str, epilog: str) -> _Parser:
+    formatter = argparse.RawDescriptionHelpFormatter
+    return _Parser(prog=prog, usage=usage, description=description, epilog=epilog, formatter_class=formatter)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -121,117 +96,98 @@ def _parser() -> _Parser:
 def _environment() -> dict[str, Any]:
     import torch
 
-    env: dict[str, Any] = {
+    gpu = None
+    if torch.cuda.is_available():
+        gpu = f"{torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))})"
+    return {
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "gpu": None,
+        "gpu": gpu,
     }
-    if torch.cuda.is_available():
-        env["gpu"] = f"{torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))})"
-    return env
 
 
 def _shipped_vs_corrected(device: Any) -> list[dict[str, Any]]:
     """Rows "as shipped" and "corrected" for the cuDNN pair on the probe's first case (H == S)."""
-    from . import _probe as probe
-    from . import _registry
+    import torch
+
+    from . import _probe, _registry
 
     module = sys.modules[_registry.MODULE_NAME]
+    case, names = _probe.CASES[0], _probe.BACKENDS["cudnn"]
+    golden = _probe.reference(case, device, torch.float32)
+    variants = {"as shipped": [_registry.original(n) for n in names], "corrected": [getattr(module, n) for n in names]}
     rows = []
-    case = probe.CASES[0]
-    golden = probe.reference(case, device, __import__("torch").float32)
-    variants = {
-        "as shipped": tuple(_registry.original(n) for n in probe.BACKENDS["cudnn"]),
-        "corrected": tuple(getattr(module, n) for n in probe.BACKENDS["cudnn"]),
-    }
-    for label, (fwd, bwd) in variants.items():
-        if fwd is None or bwd is None:
+    for label, pair in variants.items():
+        if None in pair:
             continue
-        fwd, bwd = _registry.callable_of(fwd), _registry.callable_of(bwd)
+        fwd, bwd = map(_registry.callable_of, pair)
+        errors, error = None, None
         try:
-            got = probe.run_pair(fwd, bwd, case, device)
-            errors = {n: (got[n] - golden[n]).abs().max().item() for n in probe.TENSORS}
-            rows.append({"variant": label, "errors": errors, "error": None})
+            got = _probe.run_pair(fwd, bwd, case, device)
+            errors = {n: (got[n] - golden[n]).abs().max().item() for n in _probe.TENSORS}
         except Exception as exc:  # noqa: BLE001 - the shipped ops may raise: that is the finding
-            rows.append({"variant": label, "errors": None, "error": f"{type(exc).__name__}: {exc}"})
-    magnitudes = {n: golden[n].abs().max().item() for n in probe.TENSORS}
+            error = f"{type(exc).__name__}: {exc}"
+        rows.append({"variant": label, "errors": errors, "error": error})
+    magnitudes = {n: golden[n].abs().max().item() for n in _probe.TENSORS}
     return [*rows, {"variant": "reference magnitudes", "errors": magnitudes, "error": None}]
 
 
-def _needs(report_fixes: list[dict[str, Any]], live: dict[str, Any]) -> dict[str, Any]:
+def _needs(fixes: list[dict[str, Any]], live: dict[str, Any]) -> dict[str, Any]:
     """What this diffusers needs, from the check of the shipped code (or, where the package is switched off,
     of the live code, which then is the shipped code)."""
     from .fixes import ALL_FIXES
 
-    kinds = {fix.id: fix.kind for fix in ALL_FIXES}
-    only_for = {fix.id: fix.only_for for fix in ALL_FIXES if fix.only_for}
-    shipped = {}
-    for f in report_fixes:
-        state = f["detected"]
-        if state in ("disabled", "unchecked", "pending") and f["id"] in live:
-            state = live[f["id"]]["state"]
-        shipped[f["id"]] = state
-    applied = [f["id"] for f in report_fixes if f["applied"]]
-    quiet = ("ok", "absent")
+    by_id = {fix.id: fix for fix in ALL_FIXES}
+    not_checked = ("disabled", "unchecked", "pending")
+    shipped = {f["id"]: live[f["id"]]["state"] if f["detected"] in not_checked else f["detected"] for f in fixes}
+    quiet = {fix_id: state in ("ok", "absent") for fix_id, state in shipped.items()}
+    applied = [f["id"] for f in fixes if f["applied"]]
+    # Corrections that matter only to some runs (only_for) do not count here; they are named as the condition.
+    corrections = [i for i in shipped if by_id[i].kind == "correction" and not by_id[i].only_for]
     return {
         "shipped_check": shipped,
-        "nothing_to_fix": bool(shipped) and not applied and all(s in quiet for s in shipped.values()),
-        # Corrections that matter only to some runs (only_for) do not count here; they are named as the condition.
-        "no_gradient_correction_needed": bool(shipped)
-        and all(s in quiet for i, s in shipped.items() if kinds.get(i) == "correction" and i not in only_for),
-        "active_guards": [i for i in applied if kinds.get(i) == "guard"],
-        "needed_only_for": {i: only_for[i] for i in applied if i in only_for},
+        "nothing_to_fix": bool(shipped) and not applied and all(quiet.values()),
+        "no_gradient_correction_needed": bool(shipped) and all(quiet[i] for i in corrections),
+        "active_guards": [i for i in applied if by_id[i].kind == "guard"],
+        "needed_only_for": {i: by_id[i].only_for for i in applied if by_id[i].only_for},
         "applied": applied,
     }
-
-
-def release_table() -> list[dict[str, str]]:
-    """Per fix: id, the releases the table lists (a PEP 440 specifier), kind and title (no torch needed)."""
-    from .fixes import ALL_FIXES
-
-    return [{"id": f.id, "affected": f.affected, "kind": f.kind, "title": f.title} for f in ALL_FIXES]
 
 
 def collect(run_gpu: bool = True) -> tuple[dict[str, Any], int]:
     """Everything the doctor shows, as data, and the exit status."""
     try:
         import diffusers.models.attention_dispatch  # noqa: F401 - fires the hook
-        import torch  # noqa: F401
+        import torch
     except Exception as exc:  # noqa: BLE001
+        from .fixes import ALL_FIXES  # plain data: the release table needs no torch
+
         error = f"cannot import diffusers' attention module: {type(exc).__name__}: {exc}"
-        found = {"version": __version__, "error": error, "release_table": release_table()}
+        table = [{"id": f.id, "affected": f.affected, "kind": f.kind, "title": f.title} for f in ALL_FIXES]
+        found = {"version": __version__, "error": error, "release_table": table}
         return {**found, "exit_status": EXIT_NO_DIFFUSERS}, EXIT_NO_DIFFUSERS
 
-    import diffusers_cudnn_fix
+    from . import _probe, _registry
 
-    from . import _probe as probe
-    from . import _registry
-
-    data: dict[str, Any] = {"version": __version__, "environment": _environment()}
-    before = diffusers_cudnn_fix.status()
     # What the behavioural check sees now, on the installed objects: per fix, state and evidence.
     checked = _registry.check_live(sys.modules[_registry.MODULE_NAME])
     live = {fix_id: {"state": f.state, "detail": f.detail} for fix_id, f in checked.items()}
-    data["check_after_patching"] = live if before.enabled else {}
-    gpu = None
+    data: dict[str, Any] = {"version": __version__, "environment": _environment(), "check_after_patching": live}
     if run_gpu:
-        result = probe.probe()
+        result = _probe.probe()
         data["probe"] = dataclasses.asdict(result)
-        data["probe_table"] = probe.table(result) if result.cases else None  # no header without rows
+        data["probe_table"] = _probe.table(result) if result.cases else None  # no header without rows
         if result.state != "skipped":
-            gpu = result.device
-            data["shipped_vs_corrected"] = _shipped_vs_corrected(__import__("torch").device(gpu))
-    report = diffusers_cudnn_fix.status()
+            data["shipped_vs_corrected"] = _shipped_vs_corrected(torch.device(result.device))
+    report = status()
+    if not report.enabled:  # the live objects are the shipped ones: nothing was patched
+        data["check_after_patching"] = {}
     data["status"] = report.to_dict()
     data.update(_needs(data["status"]["fixes"], live))
-    if not report.ok:
-        code = EXIT_NOT_SAFE
-    elif data["nothing_to_fix"] or gpu is not None:
-        code = EXIT_OK
-    else:
-        code = EXIT_UNVERIFIED
+    verified = data["nothing_to_fix"] or "shipped_vs_corrected" in data  # nothing to verify, or verified on a GPU
+    code = EXIT_NOT_SAFE if not report.ok else (EXIT_OK if verified else EXIT_UNVERIFIED)
     data["exit_status"] = code
     return data, code
 
@@ -239,25 +195,19 @@ def collect(run_gpu: bool = True) -> tuple[dict[str, Any], int]:
 # ------------------------------------------------------------------------------------------------------------
 # Text
 # ------------------------------------------------------------------------------------------------------------
-def _wrap(text: str, indent: str, width: int = 100) -> str:
+def _wrap(text: str, indent: str = "") -> str:
     """The whole of ``text``, wrapped: nothing the doctor prints is cut."""
-    return textwrap.fill(text, width=width, initial_indent=indent, subsequent_indent=indent, break_long_words=False)
+    return textwrap.fill(text, width=100, initial_indent=indent, subsequent_indent=indent, break_long_words=False)
 
 
-def _columns(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
-    """Rows as aligned columns, each as wide as its widest cell."""
+def _columns(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Rows as aligned columns, each as wide as its widest cell, indented by two spaces."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return [indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-
-
-#: Outcomes that say all there is to say; any other prints the reason under the title.
-_SELF_EXPLAINING = frozenset(
-    {"corrected", "guarded", "not needed", "no such code", "package off", "NOT ACTIVE (package off)"}
-    | {"skipped", "NOT FIXED (skipped)"}
-)
+    return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
 def _outcome(fix: dict[str, Any], kind: str) -> str:
+    """The fix table's result cell: a word that says why, or else "NOT FIXED" or the bare check state."""
     if fix["applied"]:
         return "corrected" if kind == "correction" else "guarded"
     if fix["detected"] == "disabled":
@@ -269,68 +219,54 @@ def _outcome(fix: dict[str, Any], kind: str) -> str:
     return {"ok": "not needed", "absent": "no such code"}.get(fix["detected"], fix["detected"])
 
 
+_HOW = [
+    "  - add `import diffusers_cudnn_fix` at the top of the training entry point (the script every rank",
+    "    runs), before or after diffusers; or",
+    "  - if you cannot edit it, start the training through the launcher:",
+    f"      {PROG} run -- torchrun --nproc-per-node 8 train.py ...",
+    f"      {PROG} run -- accelerate launch train.py ...",
+]
+
+
 def _next_step(data: dict[str, Any]) -> list[str]:
-    status = data["status"]
-    version = status["diffusers_version"]
+    status, version = data["status"], data["status"]["diffusers_version"]
+    needing = [f for f in status["fixes"] if f["needs_attention"]]
     if not status["ok"] and not status["enabled"]:
-        needed = ", ".join(f["id"] for f in status["fixes"] if f["needs_attention"])
-        return [
-            _wrap(
-                f"NOT SAFE: the package is switched off ({_switched_off_by()}), and diffusers {version} needs "
-                f"its fixes ({needed}). Unset {_switches.ENABLE_VAR} (or set it to 1) to turn it on.",
-                "",
-            )
-        ]
+        switched_off = (
+            f"NOT SAFE: the package is switched off ({switched_off_by()}), and diffusers {version} needs "
+            f"its fixes ({', '.join(f['id'] for f in needing)}). Unset {_switches.ENABLE_VAR} (or set it to 1) "
+            "to turn it on."
+        )
+        return [_wrap(switched_off)]
     if not status["ok"]:
+        failed = [p for p in status["probes"] if p["state"] == "failed"]
         lines = [f"NOT SAFE: diffusers {version} needs fixes that are not active here:"]
-        for f in status["fixes"]:
-            if f["needs_attention"]:
-                lines.append(_wrap(f"{f['id']}: {f['reason']}", "  - "))
-        for p in status["probes"]:
-            if p["state"] == "failed":
-                lines.append(_wrap(f"the GPU probe failed on {p['device']}: {p['reason']} (table below)", "  - "))
-        if any(f["needs_attention"] and f["reason"].startswith("skipped") for f in status["fixes"]):
-            lines.append("Take those ids out of DIFFUSERS_CUDNN_FIX_SKIP, or do not train with this backend under CP.")
-        else:
-            lines.append("Do not train with this backend under context parallelism here; please report this case.")
-        return lines
+        lines += [_wrap(f"{f['id']}: {f['reason']}", "  - ") for f in needing]
+        lines += [_wrap(f"the GPU probe failed on {p['device']}: {p['reason']} (table below)", "  - ") for p in failed]
+        way_out = "Do not train with this backend under context parallelism here; please report this case."
+        if any(f["reason"].startswith("skipped") for f in needing):
+            way_out = "Take those ids out of DIFFUSERS_CUDNN_FIX_SKIP, or do not train with this backend under CP."
+        return [*lines, way_out]
     if data["nothing_to_fix"]:
         return [
             f"Nothing to fix here: diffusers {version} needs none of this package's fixes. You do not need it;",
             "imported anyway, it changes nothing.",
         ]
-    how = [
-        "  - add `import diffusers_cudnn_fix` at the top of the training entry point (the script every rank",
-        "    runs), before or after diffusers; or",
-        "  - if you cannot edit it, start the training through the launcher:",
-        f"      {PROG} run -- torchrun --nproc-per-node 8 train.py ...",
-        f"      {PROG} run -- accelerate launch train.py ...",
-    ]
     if data["no_gradient_correction_needed"]:
         # One decision, not two instructions: remove it, or keep the guards active everywhere.
-        guards = ", ".join(data["active_guards"])
-        conditional = data.get("needed_only_for", {})
-        needs = "".join(f" except {i}, which matters only to {runs}" for i, runs in conditional.items())
-        return [
-            _wrap(
-                f"Can be removed: diffusers {version} needs no gradient correction{needs}. The package only "
-                f"guards here ({guards}; what each guards against is in the table below). If your training can "
-                "meet none of those cases, remove it. To keep the guards instead, make them active in every "
-                "process of your training run (the doctor applied them in its own process only), either way:",
-                "",
-            ),
-            *how,
-        ]
+        needs = "".join(f" except {i}, which matters only to {runs}" for i, runs in data["needed_only_for"].items())
+        advice = (
+            f"Can be removed: diffusers {version} needs no gradient correction{needs}. The package only guards here "
+            f"({', '.join(data['active_guards'])}; what each guards against is in the table below). If your training "
+            "can meet none of those cases, remove it. To keep the guards instead, make them active in every process "
+            "of your training run (the doctor applied them in its own process only), either way:"
+        )
+        return [_wrap(advice), *_HOW]
     return [
         f"NEXT STEP: diffusers {version} needs the fixes below. The doctor applied them in its own process only;",
         "make them active in every process of your training run, either way:",
-        *how,
+        *_HOW,
     ]
-
-
-def _switched_off_by() -> str:
-    """The master switch as the user spelled it (``DIFFUSERS_CUDNN_FIX='OFF'``)."""
-    return f"{_switches.ENABLE_VAR}={_switches.raw_enable_value()!r}"
 
 
 def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
@@ -346,34 +282,31 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
     from .fixes import ALL_FIXES
 
     fixes_by_id = {fix.id: fix for fix in ALL_FIXES}
-    status = data["status"]
+    status, env = data["status"], data["environment"]
     print("\n".join(_next_step(data)))
-
-    env = data["environment"]
     print(
         f"\ndiffusers_cudnn_fix {data['version']}, diffusers {status['diffusers_version']}, torch {env['torch']}, "
         f"Python {env['python']}, CUDA {env['cuda'] or 'none'}, cuDNN {env['cudnn'] or 'none'}, "
         f"GPU {env['gpu'] or 'none'}"
     )
     if not status["enabled"]:
-        print(f"diffusers_cudnn_fix is SWITCHED OFF by {_switched_off_by()}")
+        print(f"diffusers_cudnn_fix is SWITCHED OFF by {switched_off_by()}")
 
     print("\nfixes (table: the release table lists this release; check: what the check found in the shipped code):")
     rows = [("fix", "table", "check", "applied", "result")]
     for f in status["fixes"]:
-        table = {True: "affected", False: "not affected", None: "unknown"}[f["expected"]]
-        kind = fixes_by_id[f["id"]].kind if f["id"] in fixes_by_id else "correction"
-        check = data["shipped_check"].get(f["id"], f["detected"])
-        rows.append((f["id"], table, check, "yes" if f["applied"] else "no", _outcome(f, kind)))
-    lines = _columns(rows)
-    print(lines[0])
-    for f, line, (*_, outcome) in zip(status["fixes"], lines[1:], rows[1:], strict=True):
+        outcome = _outcome(f, fixes_by_id[f["id"]].kind)
+        check = data["shipped_check"][f["id"]]
+        rows.append((f["id"], TABLE_SAYS[f["expected"]], check, "yes" if f["applied"] else "no", outcome))
+    header, *lines = _columns(rows)
+    print(header)
+    for f, line, (*_, outcome) in zip(status["fixes"], lines, rows[1:], strict=True):
+        note = fixes_by_id[f["id"]].note
         print(line)
         print(_wrap(f["title"], "      "))
-        fix = fixes_by_id.get(f["id"])
-        if f["applied"] and fix is not None and fix.note is not None:
-            print(_wrap(fix.note(), "      "))
-        if verbose or outcome not in _SELF_EXPLAINING:
+        if f["applied"] and note is not None:
+            print(_wrap(note(), "      "))
+        if verbose or outcome in ("NOT FIXED", f["detected"]):  # the result does not say why: the reason does
             print(_wrap(f"why: {f['reason']}", "      "))
     for ref in status["stale_references"]:
         print(_wrap(f"still holds a shipped function: {ref}", "  "))
@@ -385,93 +318,69 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
         for fix_id, finding in live.items():
             print(_wrap(f"{fix_id:<{width}}  {finding['state']:<7} {finding['detail']}", "  "))
 
-    probe_data = data.get("probe")
-    if probe_data is not None:
-        print(f"\nGPU probe: {probe_data['state']} on {probe_data['device']} ({probe_data['reason']})")
-        if probe_data["state"] != "skipped":
+    probe = data.get("probe")
+    if probe is not None:
+        print(f"\nGPU probe: {probe['state']} on {probe['device']} ({probe['reason']})")
+        if probe["state"] != "skipped":
             print(data["probe_table"])
-    rows_gpu = data.get("shipped_vs_corrected")
-    if rows_gpu:
+    if data.get("shipped_vs_corrected"):
         print("\ncuDNN op pair, bf16 B=2 S=16 H=16 D=64, max-abs error vs fp32 eager:")
-        gpu_table = [("variant", "out", "dQ", "dK", "dV")]
-        for row in rows_gpu:
-            errors = ["raises", "", "", ""] if row["error"] else [f"{row['errors'][t]:.4f}" for t in _TENSORS]
-            gpu_table.append((row["variant"], *errors))
-        print("\n".join(_columns(gpu_table)))
-        for row in rows_gpu:
+        table = [("variant", "out", "dQ", "dK", "dV")]
+        for row in data["shipped_vs_corrected"]:
+            errors = ["raises", "", "", ""] if row["error"] else [f"{e:.4f}" for e in row["errors"].values()]
+            table.append((row["variant"], *errors))
+        print("\n".join(_columns(table)))
+        for row in data["shipped_vs_corrected"]:
             if row["error"]:
                 print(_wrap(f"{row['variant']} raises {row['error']}", "  "))
-    if not data["nothing_to_fix"] and status["ok"] and data.get("probe", {}).get("state") == "skipped":
-        print(
-            "\n"
-            + _wrap(
-                "Not verified on a GPU here: the behavioural check above ran (on CPU, no GPU needed), the GPU probe "
-                "could not. It runs by itself on the first CUDA call of a corrected op.",
-                "",
-            )
-        )
-    verdict = {
-        EXIT_OK: "OK",
-        EXIT_NOT_SAFE: "NOT SAFE",
-        EXIT_UNVERIFIED: "OK on the check, not verified on a GPU",
-    }[data["exit_status"]]
-    print(f"\nverdict: {verdict} (exit status {data['exit_status']})")
+    if not data["nothing_to_fix"] and status["ok"] and probe is not None and probe["state"] == "skipped":
+        print("\nNot verified on a GPU here: the behavioural check above ran (on CPU, no GPU needed), the GPU probe")
+        print("could not. It runs by itself on the first CUDA call of a corrected op.")
+    print(f"\nverdict: {_VERDICTS[data['exit_status']]} (exit status {data['exit_status']})")
 
 
 # ------------------------------------------------------------------------------------------------------------
 # Entry point
 # ------------------------------------------------------------------------------------------------------------
 def _run_command(argv: list[str]) -> int:
-    parser = _Parser(
-        prog=f"{PROG} run",
-        usage=f"{PROG} run [--] COMMAND [ARGS...]",
-        description=RUN_DESCRIPTION,
-        epilog=RUN_EXIT_STATUSES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    if argv[:1] == ["--"]:
-        command = argv[1:]
-    elif argv[:1] in (["-h"], ["--help"]):
+    """``run [--] COMMAND [ARGS...]``, read by hand: argparse would take COMMAND's own switches for ours."""
+    parser = _parser(f"{PROG} run", f"{PROG} run [--] COMMAND [ARGS...]", RUN_DESCRIPTION, RUN_EXIT_STATUSES)
+    first = argv[0] if argv else "--"
+    if first in ("-h", "--help"):
         parser.print_help()
         return EXIT_OK
-    elif argv[:1] and argv[0].startswith("-"):
-        parser.error(f"unknown switch {argv[0]!r} (put -- before COMMAND)")
-    else:
-        command = argv
+    if first != "--" and first.startswith("-"):
+        parser.error(f"unknown switch {first!r} (put -- before COMMAND)")
+    command = argv[1:] if first == "--" else argv
     if not command:
         parser.error("no COMMAND given")
     return _launcher.run(command)
 
 
-@contextmanager
-def _warnings_as_lines() -> Iterator[None]:
-    """The package's warnings raised while the doctor works, shown as ``diffusers-cudnn-fix: Category:
-    message``: the doctor is the user's code here, so there is no line of theirs to file them at."""
-    stock = warnings.formatwarning
-
-    def formatwarning(
-        message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None
-    ) -> str:
-        if issubclass(category, DiffusersCudnnFixWarning):
-            return f"{PROG}: {category.__name__}: {message}\n"
-        return stock(message, category, filename, lineno, line)
-
-    warnings.formatwarning = formatwarning
-    try:
-        yield
-    finally:
-        warnings.formatwarning = stock
-
-
 def main(argv: list[str] | None = None) -> int:
+    """The command line: the doctor (no command, or ``doctor``), or ``run -- COMMAND [ARGS...]``."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["run"]:
         return _run_command(args_list[1:])
-    if args_list[:1] == ["doctor"]:
-        args_list = args_list[1:]
-    args = _parser().parse_args(args_list)
-    with _warnings_as_lines():
+    parser = _parser(PROG, USAGE, DESCRIPTION, f"{ENVIRONMENT}\n{DOCTOR_EXIT_STATUSES}\n{RUN_EXIT_STATUSES}")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--no-gpu", action="store_true", help="skip the GPU probe and the error table")
+    parser.add_argument("--verbose", "-v", action="store_true", help="show each check's evidence and the live checks")
+    args = parser.parse_args(args_list[1:] if args_list[:1] == ["doctor"] else args_list)
+    stock = warnings.formatwarning
+
+    def formatwarning(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> str:
+        # The doctor is the user's code here: no line of theirs to file the package's warnings at, so one line each.
+        if issubclass(category, DiffusersCudnnFixWarning):
+            return f"{PROG}: {category.__name__}: {message}\n"
+        return stock(message, category, *args, **kwargs)
+
+    warnings.formatwarning = formatwarning
+    try:
         data, code = collect(run_gpu=not args.no_gpu)
+    finally:
+        warnings.formatwarning = stock
     try:
         if args.json:
             print(json.dumps(data, default=str))

@@ -48,11 +48,9 @@ def child_environment(parent: Mapping[str, str]) -> dict[str, str]:
     """A copy of ``parent`` with the bootstrap folder first on ``PYTHONPATH`` (entries already there follow
     in their order; an empty ``PYTHONPATH`` adds no entry for the current directory). ``parent`` itself is
     not changed."""
-    env = dict(parent)
     ours = str(BOOTSTRAP_DIR)
-    rest = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry and entry != ours]
-    env["PYTHONPATH"] = os.pathsep.join([ours, *rest])
-    return env
+    rest = [entry for entry in parent.get("PYTHONPATH", "").split(os.pathsep) if entry and entry != ours]
+    return {**parent, "PYTHONPATH": os.pathsep.join([ours, *rest])}
 
 
 def run(command: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
@@ -84,4 +82,3 @@ def run(command: Sequence[str], environ: Mapping[str, str] | None = None) -> int
     except OSError as exc:
         print(f"diffusers-cudnn-fix run: {program}: cannot run it: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_NOT_EXECUTABLE
-    raise AssertionError("os.execvpe returned")  # pragma: no cover - exec never returns

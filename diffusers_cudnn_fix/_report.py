@@ -7,6 +7,14 @@ from typing import Any, NamedTuple
 
 from ._switches import ENABLE_VAR, MODULE_NAME, raw_enable_value
 
+#: The fix table's "table" column: what the release table says of the installed release (``FixStatus.expected``).
+TABLE_SAYS = {True: "affected", False: "not affected", None: "unknown"}
+
+
+def switched_off_by() -> str:
+    """The master switch as the user spelled it (``DIFFUSERS_CUDNN_FIX='OFF'``), for messages that quote it."""
+    return f"{ENABLE_VAR}={raw_enable_value()!r}"
+
 
 class FixStatus(NamedTuple):
     """One fix's state.
@@ -60,12 +68,12 @@ class Report(NamedTuple):
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``--json`` and logs."""
-        data = self._asdict()
-        data["fixes"] = [f._asdict() | {"needs_attention": f.needs_attention} for f in self.fixes]
-        data["stale_references"] = list(self.stale_references)
-        data["probes"] = [asdict(p) for p in self.probes]
-        data["ok"] = self.ok
-        return data
+        return self._asdict() | {
+            "fixes": [f._asdict() | {"needs_attention": f.needs_attention} for f in self.fixes],
+            "stale_references": list(self.stale_references),
+            "probes": [asdict(p) for p in self.probes],
+            "ok": self.ok,
+        }
 
     def __str__(self) -> str:
         state = "enabled" if self.enabled else f"SWITCHED OFF by {ENABLE_VAR}"
@@ -77,27 +85,17 @@ class Report(NamedTuple):
             lines.append(f"  {self.problem}")
         if not self.module_loaded and self.fixes:
             lines.append(f"  {MODULE_NAME} not imported yet: fixes apply when it is")
-        table = {True: "affected", False: "not affected", None: "unknown"}
-        rows = [(f.id, table[f.expected], f.detected, f.applied, f.reason) for f in self.fixes]
+        rows = [(f.id, TABLE_SAYS[f.expected], f.detected, "yes" if f.applied else "no", f.reason) for f in self.fixes]
         # Columns as wide as their longest entry, so that they line up whatever the ids and states.
-        id_w, table_w, check_w = (max((len(str(r[i])) for r in rows), default=0) for i in range(3))
+        id_w, table_w, check_w = (max((len(r[i]) for r in rows), default=0) for i in range(3))
         for fix_id, expected, detected, applied, reason in rows:
             lines.append(
                 f"  {fix_id:<{id_w}}  table: {expected:<{table_w}}  check: {detected:<{check_w}}  "
-                f"applied: {'yes' if applied else 'no':<3}  {reason}"
+                f"applied: {applied:<3}  {reason}"
             )
-        for ref in self.stale_references:
-            lines.append(f"  still holds a shipped function: {ref}")
-        for p in self.probes:
-            lines.append(f"  GPU probe {p.device}: {p.state} ({p.reason})")
-        if self.ok:
-            verdict = "OK"
-        elif not self.enabled:
-            verdict = (
-                f"NOT SAFE: the package is switched off ({ENABLE_VAR}={raw_enable_value()!r}) on a release that "
-                "needs its fixes"
-            )
-        else:
-            verdict = "NOT SAFE: see the lines above"
-        lines.append(f"  verdict: {verdict}")
-        return "\n".join(lines)
+        lines += [f"  still holds a shipped function: {ref}" for ref in self.stale_references]
+        lines += [f"  GPU probe {p.device}: {p.state} ({p.reason})" for p in self.probes]
+        verdict = "OK" if self.ok else "NOT SAFE: see the lines above"
+        if not self.ok and not self.enabled:
+            verdict = f"NOT SAFE: the package is switched off ({switched_off_by()}) on a release that needs its fixes"
+        return "\n".join([*lines, f"  verdict: {verdict}"])

@@ -5,24 +5,20 @@ in the command's environment, so every Python process of the command runs this f
 the process: whatever goes wrong becomes one line on stderr.
 """
 
-from __future__ import annotations
-
 import importlib.machinery
 import importlib.util
 import os
 import sys
 
-
-def _activate() -> None:
-    try:
-        import diffusers_cudnn_fix  # noqa: F401 - arms the post-import hook; never initialises CUDA
-    except BaseException as exc:  # the user's process must start regardless
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        sys.stderr.write(
-            f"diffusers-cudnn-fix run: diffusers_cudnn_fix is not active in {sys.executable} "
-            f"({type(exc).__name__}: {exc}); install it into that interpreter or import it in the script\n"
-        )
+try:
+    import diffusers_cudnn_fix  # noqa: F401 - arms the post-import hook; never initialises CUDA
+except KeyboardInterrupt:
+    raise
+except BaseException as exc:  # noqa: BLE001 - the user's process must start regardless
+    sys.stderr.write(
+        f"diffusers-cudnn-fix run: diffusers_cudnn_fix is not active in {sys.executable} "
+        f"({type(exc).__name__}: {exc}); install it into that interpreter or import it in the script\n"
+    )
 
 
 def _chain() -> None:
@@ -39,6 +35,5 @@ def _chain() -> None:
     spec.loader.exec_module(module)
 
 
-_activate()
 if __name__ == "sitecustomize":  # run by site at start-up (never chain when loaded some other way)
     _chain()
