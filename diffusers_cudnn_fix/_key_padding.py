@@ -64,16 +64,15 @@ def plan(mask: torch.Tensor, dtype: torch.dtype) -> Plan:
     counts = row.sum(dim=1)
     pos = torch.arange(seq, device=mask.device)
     first = torch.where(row, pos, seq).amin()
-    last = torch.where(row, pos, -1).amax()
-    found = torch.stack([ok.to(torch.int64), counts.max(), counts.min(), first, last]).tolist()  # the one sync
-    is_padding, most, least, start, end = found[0], found[1], found[2], found[3], found[4] + 1
+    end = torch.where(row, pos + 1, 0).amax()  # one past the last valid key
+    found = torch.stack([ok.to(torch.int64), counts.max(), counts.min(), first, end]).tolist()  # the one sync
+    is_padding, most, least, start, end = found
     if not is_padding or most == 0:  # no valid key at all: the bias path's result (zero rows) stays
         return _BIAS
     if least == seq:
         return _ALL
     if end - start == most:  # every valid key in one run of the longest count's length: a view
-        part = row[:, start:end]
-        bias = None if least == most else _additive(part, dtype)
+        bias = None if least == most else _additive(row[:, start:end], dtype)
         return Plan("window", start, most, None, bias)
     index = torch.argsort((~row).to(torch.int8), dim=1, stable=True)[:, :most]
     bias = None if least == most else _additive(torch.arange(most, device=mask.device) < counts[:, None], dtype)
@@ -116,15 +115,13 @@ def trim(
         or given.is_inference()  # no version counter: a plan could not be cached
         or dropout_p
         or is_causal
+        # Ring attention hands the op K/V chunks (and refuses masks).
+        or getattr(getattr(parallel_config, "context_parallel_config", None), "ring_degree", 1) > 1
+        # The backward that will run could not scatter the K/V gradients back.
+        or (save_ctx and not getattr(getattr(ctx, "backward_op", None), RESTORES, False))
+        # Only in convert mode (warn: as upstream; error: bool masks never get here); mask_mode() without its frame.
+        or _switches._choice(_switches.MASK_VAR) != "convert"
     ):
-        return key, value, mask
-    config = getattr(parallel_config, "context_parallel_config", None)
-    if getattr(config, "ring_degree", 1) > 1:  # ring attention hands the op K/V chunks (and refuses masks)
-        return key, value, mask
-    if save_ctx and not getattr(getattr(ctx, "backward_op", None), RESTORES, False):
-        return key, value, mask  # the backward that will run could not scatter the K/V gradients back
-    # Only in convert mode (warn: as upstream; error: bool masks never get here); mask_mode() without its frame.
-    if _switches._choice(_switches.MASK_VAR) != "convert":
         return key, value, mask
     entry = _plans.get(id(given))
     if entry is not None and entry[0]() is given and entry[1] == given._version and entry[2] == mask.dtype:
@@ -133,13 +130,13 @@ def trim(
         found = plan(given, mask.dtype)
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
-        _plans[id(given)] = (weakref.ref(given, _forget(id(given))), given._version, mask.dtype, found)
-    kind = found.kind
-    if kind == "bias" or (found.n == 1 and query.shape[1] == 1):  # cuDNN refuses S_q = S_kv = 1
+        mask_id = id(given)  # the mask gone, so is its plan (and its id may be reused)
+        _plans[mask_id] = (weakref.ref(given, lambda _: _plans.pop(mask_id, None)), given._version, mask.dtype, found)
+    if found.kind == "bias" or (found.n == 1 and query.shape[1] == 1):  # cuDNN refuses S_q = S_kv = 1
         return key, value, mask
-    if kind == "all":
+    if found.kind == "all":
         return key, value, None
-    if kind == "window":
+    if found.kind == "window":
         stop = found.start + found.n
         key, value = key[:, found.start : stop], value[:, found.start : stop]
     elif found.positions is not None and found.positions.shape[0] == 1:
@@ -153,13 +150,6 @@ def trim(
     return key, value, found.bias
 
 
-def _forget(key: int) -> Any:
-    def forget(_: object) -> None:
-        _plans.pop(key, None)  # the mask is gone: so is its plan (and its id may be reused)
-
-    return forget
-
-
 def restored(ctx: Any, grads: Any) -> Any:
     """The backward op's gradients with dK / dV (B, n, H, D) scattered back to the full key length."""
     trimmed = getattr(ctx, CTX_ATTR, None)
@@ -169,13 +159,9 @@ def restored(ctx: Any, grads: Any) -> Any:
     grad_key, grad_value = grads[1], grads[2]
     if found.positions is None:
         pad = (0, 0, 0, 0, found.start, seq - found.start - found.n)
-        grad_key, grad_value = F.pad(grad_key, pad), F.pad(grad_value, pad)
-    else:
-        index = found.positions[:, :, None, None]
-        grad_key = grad_key.new_zeros(grad_key.shape[0], seq, *grad_key.shape[2:]).scatter_(
-            1, index.expand(grad_key.shape), grad_key
-        )
-        grad_value = grad_value.new_zeros(grad_value.shape[0], seq, *grad_value.shape[2:]).scatter_(
-            1, index.expand(grad_value.shape), grad_value
-        )
-    return (grads[0], grad_key, grad_value, *grads[3:])
+        return (grads[0], F.pad(grad_key, pad), F.pad(grad_value, pad), *grads[3:])
+    index = found.positions[:, :, None, None]
+    full_key = grad_key.new_zeros(grad_key.shape[0], seq, *grad_key.shape[2:])
+    full_value = grad_value.new_zeros(grad_value.shape[0], seq, *grad_value.shape[2:])
+    grad_key = full_key.scatter_(1, index.expand(grad_key.shape), grad_key)
+    return (grads[0], grad_key, full_value.scatter_(1, index.expand(grad_value.shape), grad_value), *grads[3:])

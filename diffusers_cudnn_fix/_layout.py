@@ -21,25 +21,17 @@ from ._warnings import UnsafeAttentionError
 ALIGNMENT = 16
 
 
-def aligned(x: torch.Tensor) -> bool:
-    """Whether ``x``'s data pointer and every stride but the last (which must be 1) lie on 16 bytes."""
-    size = x.element_size()
-    return (
-        x.stride(-1) == 1
-        and x.data_ptr() % ALIGNMENT == 0
-        and all((stride * size) % ALIGNMENT == 0 for stride in x.stride()[:-1])
-    )
-
-
-def realigned(x: torch.Tensor) -> torch.Tensor:
-    """``x``, or a dense copy of it where its data pointer is not on 16 bytes (a view at an odd offset, say:
-    even a contiguous one, which ``.contiguous()`` would hand on as it is). On every device, so that the
+def realigned(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each of ``xs``, or a dense copy of it where its data pointer is not on 16 bytes (a view at an odd offset,
+    say: even a contiguous one, which ``.contiguous()`` would hand on as it is). On every device, so that the
     behavioural checks see on the CPU what the GPU kernels get. While compiling the pointer cannot be read, so
     it is always a copy there; inductor may still drop a copy it finds redundant, which is why the shapes where
     a view reaches the kernel as it is (one head or one query position) are refused while compiling."""
-    if not torch.compiler.is_compiling() and x.data_ptr() % ALIGNMENT == 0:
-        return x
-    return x.clone(memory_format=torch.contiguous_format)
+    compiling = torch.compiler.is_compiling()
+    out = []
+    for x in xs:  # a loop, not a generator: no extra Python frame per tensor on the hot path
+        out.append(x.clone(memory_format=torch.contiguous_format) if compiling or x.data_ptr() % ALIGNMENT else x)
+    return tuple(out)
 
 
 def entering(query: torch.Tensor) -> None:
@@ -64,13 +56,6 @@ def entering(query: torch.Tensor) -> None:
         )
 
 
-def realigned_all(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """:func:`realigned` of each of ``xs`` (one call on the hot path)."""
-    if torch.compiler.is_compiling():
-        return tuple(x.clone(memory_format=torch.contiguous_format) for x in xs)
-    return tuple(x if x.data_ptr() % ALIGNMENT == 0 else x.clone(memory_format=torch.contiguous_format) for x in xs)
-
-
 def kernel_layout(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Each of ``xs`` (B, S, H, D) as (B, H, S, D), in one call (the cuDNN forward's hot path): a strided view where
     the GPU probe verified views on its device and the view is aligned (unit last stride, 16-byte data and
@@ -80,12 +65,22 @@ def kernel_layout(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     out = []
     for x in xs:
         x = x.transpose(1, 2)
-        if views and aligned(x):
-            out.append(x)
-            continue
-        x = x.contiguous()
-        out.append(x.clone(memory_format=torch.contiguous_format) if compiling or x.data_ptr() % ALIGNMENT else x)
+        if not (views and aligned(x)):
+            x = x.contiguous()
+            if compiling or x.data_ptr() % ALIGNMENT:
+                x = x.clone(memory_format=torch.contiguous_format)
+        out.append(x)
     return tuple(out)
+
+
+def aligned(x: torch.Tensor) -> bool:
+    """Whether ``x``'s data pointer and every stride but the last (which must be 1) lie on 16 bytes."""
+    size = x.element_size()
+    return (
+        x.stride(-1) == 1
+        and x.data_ptr() % ALIGNMENT == 0
+        and all((stride * size) % ALIGNMENT == 0 for stride in x.stride()[:-1])
+    )
 
 
 def with_strides_of(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -112,9 +107,7 @@ def backward_may_follow(ctx: object) -> bool:
     a missing one gives garbage gradients.
     """
     needs = getattr(ctx, "needs_input_grad", None)
-    if needs is None:
-        return True
-    return any(needs[:3])
+    return needs is None or any(needs[:3])
 
 
 def lse_with_ndim(lse: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -131,16 +124,13 @@ def lse_with_ndim(lse: torch.Tensor, ndim: int) -> torch.Tensor:
     )
 
 
-_PER_STEP_NAMES = ("query", "key", "value", "out", "lse")
-
-
 def reject_per_step_tensors(kwargs: dict[str, Any], fix_id: str) -> None:
     """Raise if a caller hands the backward per-step tensors (diffusers >= 0.40's ring attention does).
 
     The corrected backward ops exist for releases <= 0.39, whose callers never pass these; a build that does
     pairs new callers with old ops, which this package has not verified.
     """
-    for name in _PER_STEP_NAMES:
+    for name in ("query", "key", "value", "out", "lse"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(
                 f"diffusers_cudnn_fix: this diffusers build passes per-step tensors ({name}=...) to a backward "
