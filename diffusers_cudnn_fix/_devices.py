@@ -64,10 +64,8 @@ def record(found: ProbeResult) -> None:
 
 def zero_copy_allowed(device: torch.device) -> bool:
     """Whether the probe verified views on ``device`` (or is trying them on this thread right now)."""
-    if getattr(_local, "views", False):
-        return True
     found = _results.get(str(device))
-    return found is not None and found.zero_copy
+    return getattr(_local, "views", False) or (found is not None and found.zero_copy)
 
 
 @contextmanager

@@ -137,8 +137,7 @@ def trim(
     if found.kind == "all":
         return key, value, None
     if found.kind == "window":
-        stop = found.start + found.n
-        key, value = key[:, found.start : stop], value[:, found.start : stop]
+        key, value = key.narrow(1, found.start, found.n), value.narrow(1, found.start, found.n)
     elif found.positions is not None and found.positions.shape[0] == 1:
         key, value = key.index_select(1, found.positions[0]), value.index_select(1, found.positions[0])
     elif found.positions is not None:

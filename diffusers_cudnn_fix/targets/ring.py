@@ -89,9 +89,7 @@ def _split_kv(chunk: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tu
 
 def _wait(tensor: torch.Tensor, collectives: Any) -> torch.Tensor:
     """The collective's result, waited for (functional collectives return a tensor that completes later)."""
-    if collectives is not None and isinstance(tensor, collectives.AsyncCollectiveTensor):
-        return tensor.wait()
-    return tensor
+    return tensor.wait() if isinstance(tensor, collectives.AsyncCollectiveTensor) else tensor
 
 
 def ring_attention_forward(
@@ -144,8 +142,7 @@ def ring_attention_forward(
             out = out - torch.sigmoid(step_lse - lse) * (out - step_out)
             lse = lse - F.logsigmoid(lse - step_lse)
     assert out is not None and lse is not None  # world >= 1
-    out = out.to(query.dtype)
-    lse = lse.squeeze(-1)
+    out, lse = out.to(query.dtype), lse.squeeze(-1)
     refused = ring_backward.refusal(world, attn_mask, dropout_p, is_causal, enable_gqa)
     setattr(ctx, RECORD, RingRecord(out.detach(), lse.detach(), refused))
     return (out, lse) if return_lse else out
