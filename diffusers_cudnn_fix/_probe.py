@@ -192,8 +192,7 @@ class _Harness(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ops: tuple[Any, Any]) -> Any:
-        forward_op, backward_op = ops
-        ctx.probe_backward_op = backward_op
+        forward_op, ctx.probe_backward_op = ops
         query, key, value = (x.clone() for x in (query, key, value))  # fresh, as after the all-to-all
         return forward_op(
             ctx, query, key, value, None, 0.0, False, None, False, False,

@@ -158,16 +158,16 @@ def _drives(backward_op: Any, style: str, known_ops: dict[Any, str]) -> bool:
 def _recorded(ctx: Any, fix_id: str) -> RingRecord:
     """What the corrected forward kept on ``ctx``; raises where the backward must not run."""
     record = getattr(ctx, RECORD, None)
-    way_out = ring_backward.way_out(fix_id)
     if not isinstance(record, RingRecord):
         raise UnsafeAttentionError(
             "diffusers_cudnn_fix: this ring attention's forward ran before the package corrected the ring "
-            f"(apply() between a forward and its backward?), so its backward cannot be corrected. {way_out}"
+            "(apply() between a forward and its backward?), so its backward cannot be corrected. "
+            f"{ring_backward.way_out(fix_id)}"
         )
     if record.refusal is not None:
         raise UnsafeAttentionError(
             f"diffusers_cudnn_fix: ring context parallelism's backward is corrected without masks, dropout, causal "
-            f"attention or GQA; this call has {record.refusal}. {way_out}"
+            f"attention or GQA; this call has {record.refusal}. {ring_backward.way_out(fix_id)}"
         )
     return record
 
