@@ -130,7 +130,7 @@ def trim(
         found = plan(given, mask.dtype)
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
-        mask_id = id(given)  # the mask gone, so is its plan (and its id may be reused)
+        mask_id = id(given)  # once the mask is gone, so is its plan (its id may be reused)
         _plans[mask_id] = (weakref.ref(given, lambda _: _plans.pop(mask_id, None)), given._version, mask.dtype, found)
     if found.kind == "bias" or (found.n == 1 and query.shape[1] == 1):  # cuDNN refuses S_q = S_kv = 1
         return key, value, mask
@@ -162,5 +162,6 @@ def restored(ctx: Any, grads: Any) -> Any:
     index = found.positions[:, :, None, None]
     full_key = grad_key.new_zeros(grad_key.shape[0], seq, *grad_key.shape[2:])
     full_value = grad_value.new_zeros(grad_value.shape[0], seq, *grad_value.shape[2:])
-    grad_key = full_key.scatter_(1, index.expand(grad_key.shape), grad_key)
-    return (grads[0], grad_key, full_value.scatter_(1, index.expand(grad_value.shape), grad_value), *grads[3:])
+    full_key.scatter_(1, index.expand(grad_key.shape), grad_key)
+    full_value.scatter_(1, index.expand(grad_value.shape), grad_value)
+    return (grads[0], full_key, full_value, *grads[3:])
