@@ -47,12 +47,10 @@ def entering(query: torch.Tensor) -> None:
             _devices.on_cuda_call(query)
     elif query.shape[1] == 1 or query.shape[2] == 1:
         raise UnsafeAttentionError(
-            f"diffusers_cudnn_fix: inside a torch.compile graph, diffusers' context-parallel cuDNN / flash attention "
-            f"with q of shape {tuple(query.shape)} (batch, sequence, heads, head dim: one head or one query position "
-            "per rank) gave wrong gradients on an H200, while the same call run eagerly is right. The package asks "
-            "for this call to run eagerly: without fullgraph=True dynamo does so (this call only); with "
-            "fullgraph=True, run the attention eagerly (torch.compiler.disable around it) or choose context-parallel "
-            "degrees that leave more than one head per rank."
+            f"diffusers_cudnn_fix: inside a torch.compile graph, context-parallel cuDNN / flash attention with q of "
+            f"shape {tuple(query.shape)} (B, S, H, D: one head or one query position per rank) gave wrong gradients "
+            "on an H200 (eager: right), so this call must run eagerly: dynamo does so without fullgraph=True; with "
+            "it, wrap the attention in torch.compiler.disable or pick context-parallel degrees leaving 2+ heads a rank."
         )
 
 
