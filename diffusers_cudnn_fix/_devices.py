@@ -87,6 +87,5 @@ def set_prober(prober: Callable[[torch.device], None] | None) -> None:
 def on_cuda_call(tensor: torch.Tensor) -> None:
     """Called by the corrected ops with an input: hands a CUDA device to the prober, outside compilation."""
     prober = _prober
-    if prober is None or tensor.device.type != "cuda" or torch.compiler.is_compiling():
-        return
-    prober(tensor.device)
+    if prober is not None and tensor.device.type == "cuda" and not torch.compiler.is_compiling():
+        prober(tensor.device)
