@@ -160,9 +160,8 @@ def _recorded(ctx: Any, fix_id: str) -> RingRecord:
     record = getattr(ctx, RECORD, None)
     if not isinstance(record, RingRecord):
         raise UnsafeAttentionError(
-            "diffusers_cudnn_fix: this ring attention's forward ran before the package corrected the ring "
-            "(apply() between a forward and its backward?), so its backward cannot be corrected. "
-            f"{ring_backward.way_out(fix_id)}"
+            "diffusers_cudnn_fix: this ring attention's forward ran before the package corrected the ring (apply() "
+            f"between a forward and its backward?): its backward cannot be corrected. {ring_backward.way_out(fix_id)}"
         )
     if record.refusal is not None:
         raise UnsafeAttentionError(
