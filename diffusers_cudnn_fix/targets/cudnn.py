@@ -110,10 +110,9 @@ def backward_op(shipped: Any, broken: frozenset[str]) -> Any:
 
     def cudnn_attention_backward_op(ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         mask = getattr(ctx, "attn_mask", None)
-        if mask is not None:
-            if rows:
-                grad_out = without_masked_rows(grad_out, mask)
-            # A new per-call step on a masked backward goes here.
+        if rows and mask is not None:
+            grad_out = without_masked_rows(grad_out, mask)
+        # A new per-call step on a masked backward goes here.
         grads = corrected_backward(ctx, grad_out, **kwargs) if correct else shipped(ctx, grad_out, *args, **kwargs)
         return restored(ctx, grads)  # dK / dV back to full length where the forward trimmed padded keys
 
