@@ -64,9 +64,9 @@ def plan(mask: torch.Tensor, dtype: torch.dtype) -> Plan:
     counts = row.sum(dim=1)
     pos = torch.arange(seq, device=mask.device)
     first = torch.where(row, pos, seq).amin()
-    end = torch.where(row, pos + 1, 0).amax()  # one past the last valid key
-    found = torch.stack([ok.to(torch.int64), counts.max(), counts.min(), first, end]).tolist()  # the one sync
-    is_padding, most, least, start, end = found
+    last = torch.where(row, pos, -1).amax()
+    found = torch.stack([ok.to(torch.int64), counts.max(), counts.min(), first, last]).tolist()  # the one sync
+    is_padding, most, least, start, end = found[0], found[1], found[2], found[3], found[4] + 1
     if not is_padding or most == 0:  # no valid key at all: the bias path's result (zero rows) stays
         return _BIAS
     if least == seq:
@@ -130,14 +130,15 @@ def trim(
         found = plan(given, mask.dtype)
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
-        mask_id = id(given)  # once the mask is gone, so is its plan (its id may be reused)
-        _plans[mask_id] = (weakref.ref(given, lambda _: _plans.pop(mask_id, None)), given._version, mask.dtype, found)
-    if found.kind == "bias" or (found.n == 1 and query.shape[1] == 1):  # cuDNN refuses S_q = S_kv = 1
+        _plans[id(given)] = (weakref.ref(given, _forget(id(given))), given._version, mask.dtype, found)
+    kind = found.kind
+    if kind == "bias" or (found.n == 1 and query.shape[1] == 1):  # cuDNN refuses S_q = S_kv = 1
         return key, value, mask
-    if found.kind == "all":
+    if kind == "all":
         return key, value, None
-    if found.kind == "window":
-        key, value = key.narrow(1, found.start, found.n), value.narrow(1, found.start, found.n)
+    if kind == "window":
+        stop = found.start + found.n
+        key, value = key[:, found.start : stop], value[:, found.start : stop]
     elif found.positions is not None and found.positions.shape[0] == 1:
         key, value = key.index_select(1, found.positions[0]), value.index_select(1, found.positions[0])
     elif found.positions is not None:
@@ -147,6 +148,13 @@ def trim(
     if ctx is not None and save_ctx:
         setattr(ctx, CTX_ATTR, (seq, found))
     return key, value, found.bias
+
+
+def _forget(key: int) -> Any:
+    def forget(_: object) -> None:
+        _plans.pop(key, None)  # the mask is gone: so is its plan (and its id may be reused)
+
+    return forget
 
 
 def restored(ctx: Any, grads: Any) -> Any:

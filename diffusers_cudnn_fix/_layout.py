@@ -21,15 +21,22 @@ from ._warnings import UnsafeAttentionError
 ALIGNMENT = 16
 
 
-def realigned(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Each of ``xs``, or a dense copy of it where its data pointer is not on 16 bytes (a view at an odd offset,
-    say: even a contiguous one, which ``.contiguous()`` would hand on as it is). On every device, so that the
+def realigned(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a dense copy of it where its data pointer is not on 16 bytes (a view at an odd offset, say:
+    even a contiguous one, which ``.contiguous()`` would hand on as it is). On every device, so that the
     behavioural checks see on the CPU what the GPU kernels get. While compiling the pointer cannot be read, so
     it is always a copy there; inductor may still drop a copy it finds redundant, which is why the shapes where
     a view reaches the kernel as it is (one head or one query position) are refused while compiling."""
+    if not torch.compiler.is_compiling() and x.data_ptr() % ALIGNMENT == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def realigned_all(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """:func:`realigned` of each of ``xs`` in one call: a loop, not a generator (no Python frame per tensor)."""
     compiling = torch.compiler.is_compiling()
     out = []
-    for x in xs:  # a loop, not a generator: no extra Python frame per tensor on the hot path
+    for x in xs:
         out.append(x.clone(memory_format=torch.contiguous_format) if compiling or x.data_ptr() % ALIGNMENT else x)
     return tuple(out)
 

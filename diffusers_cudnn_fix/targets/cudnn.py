@@ -20,7 +20,7 @@ import torch
 
 from .._fix import Lookup
 from .._key_padding import RESTORES, restored, trim
-from .._layout import entering, realigned
+from .._layout import entering, realigned, realigned_all
 from ..fixes.cudnn_backward_kv import corrected_backward
 from ..fixes.cudnn_bool_mask import mask_policy
 from ..fixes.cudnn_forward_lse import corrected_forward
@@ -81,13 +81,13 @@ def forward_op(shipped: Any, broken: frozenset[str]) -> Any:
             # A new per-call step on the mask the kernel gets goes here.
             # Views at an odd offset reach the kernel as they are on every release: hand it aligned memory.
             if attn_mask is not None:
-                (attn_mask,) = realigned(attn_mask)
+                attn_mask = realigned(attn_mask)
         if correct:
             return corrected_forward(
                 ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, _save_ctx
             )
         if guarded:
-            query, key, value = realigned(query, key, value)
+            query, key, value = realigned_all(query, key, value)
         return shipped(
             ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
             _save_ctx=_save_ctx, _parallel_config=_parallel_config,

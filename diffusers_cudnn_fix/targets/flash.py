@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .._fix import Lookup
-from .._layout import entering, realigned
+from .._layout import entering, realigned_all
 from ..fixes.flash_backward_kv import corrected_backward
 from .ring import STEPS_ATTR
 
@@ -39,7 +39,7 @@ def aligned_forward(shipped: Any) -> Any:
         ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
     ) -> Any:
         entering(query)  # where the GPU probe first runs for users of the flash backend only
-        return shipped(ctx, *realigned(query, key, value), *args, **kwargs)
+        return shipped(ctx, *realigned_all(query, key, value), *args, **kwargs)
 
     native_flash_attention_forward_op.__doc__ = "diffusers' native-flash forward op, handed q/k/v on 16 bytes."
     native_flash_attention_forward_op.__signature__ = inspect.signature(shipped)  # type: ignore[attr-defined]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .._detect import RING_CLASS, RING_FORWARD_PARAMS, Lookup
-from .._layout import kernel_layout, realigned, with_strides_of
+from .._layout import kernel_layout, realigned_all, with_strides_of
 from .._warnings import UnsafeAttentionError
 from ..fixes import ring_backward, ring_grad_route
 
@@ -239,7 +239,7 @@ def ring_gradients(
     grad_query = torch.zeros(ctx.q_shape, dtype=accum_dtype, device=grad_out.device)
     arriving = None
     for step in range(world):
-        step_kv = (key, value) if step == 0 else realigned(*_split_kv(gathered[(rank - step) % world], key, value))
+        step_kv = (key, value) if step == 0 else realigned_all(*_split_kv(gathered[(rank - step) % world], key, value))
         grad_q, grad_k, grad_v = step_grads(*step_kv)
         grad_query += grad_q
         grad_kv = torch.cat([grad_k.flatten(), grad_v.flatten()]).to(accum_dtype)
