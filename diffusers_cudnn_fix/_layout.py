@@ -21,6 +21,16 @@ from ._warnings import UnsafeAttentionError
 ALIGNMENT = 16
 
 
+def aligned(x: torch.Tensor) -> bool:
+    """Whether ``x``'s data pointer and every stride but the last (which must be 1) lie on 16 bytes."""
+    size = x.element_size()
+    return (
+        x.stride(-1) == 1
+        and x.data_ptr() % ALIGNMENT == 0
+        and all((stride * size) % ALIGNMENT == 0 for stride in x.stride()[:-1])
+    )
+
+
 def realigned(x: torch.Tensor) -> torch.Tensor:
     """``x``, or a dense copy of it where its data pointer is not on 16 bytes (a view at an odd offset, say:
     even a contiguous one, which ``.contiguous()`` would hand on as it is). On every device, so that the
@@ -30,15 +40,6 @@ def realigned(x: torch.Tensor) -> torch.Tensor:
     if not torch.compiler.is_compiling() and x.data_ptr() % ALIGNMENT == 0:
         return x
     return x.clone(memory_format=torch.contiguous_format)
-
-
-def realigned_all(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """:func:`realigned` of each of ``xs`` in one call: a loop, not a generator (no Python frame per tensor)."""
-    compiling = torch.compiler.is_compiling()
-    out = []
-    for x in xs:
-        out.append(x.clone(memory_format=torch.contiguous_format) if compiling or x.data_ptr() % ALIGNMENT else x)
-    return tuple(out)
 
 
 def entering(query: torch.Tensor) -> None:
@@ -61,6 +62,15 @@ def entering(query: torch.Tensor) -> None:
         )
 
 
+def realigned_all(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """:func:`realigned` of each of ``xs`` in one call: a loop, not a generator (no Python frame per tensor)."""
+    compiling = torch.compiler.is_compiling()
+    out = []
+    for x in xs:
+        out.append(x.clone(memory_format=torch.contiguous_format) if compiling or x.data_ptr() % ALIGNMENT else x)
+    return tuple(out)
+
+
 def kernel_layout(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Each of ``xs`` (B, S, H, D) as (B, H, S, D), in one call (the cuDNN forward's hot path): a strided view where
     the GPU probe verified views on its device and the view is aligned (unit last stride, 16-byte data and
@@ -70,22 +80,12 @@ def kernel_layout(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     out = []
     for x in xs:
         x = x.transpose(1, 2)
-        if not (views and aligned(x)):
-            x = x.contiguous()
-            if compiling or x.data_ptr() % ALIGNMENT:
-                x = x.clone(memory_format=torch.contiguous_format)
-        out.append(x)
+        if views and aligned(x):
+            out.append(x)
+            continue
+        x = x.contiguous()
+        out.append(x.clone(memory_format=torch.contiguous_format) if compiling or x.data_ptr() % ALIGNMENT else x)
     return tuple(out)
-
-
-def aligned(x: torch.Tensor) -> bool:
-    """Whether ``x``'s data pointer and every stride but the last (which must be 1) lie on 16 bytes."""
-    size = x.element_size()
-    return (
-        x.stride(-1) == 1
-        and x.data_ptr() % ALIGNMENT == 0
-        and all((stride * size) % ALIGNMENT == 0 for stride in x.stride()[:-1])
-    )
 
 
 def with_strides_of(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
