@@ -64,10 +64,8 @@ def record(found: ProbeResult) -> None:
 
 def zero_copy_allowed(device: torch.device) -> bool:
     """Whether the probe verified views on ``device`` (or is trying them on this thread right now)."""
-    if getattr(_local, "views", False):
-        return True
     found = _results.get(str(device))
-    return found is not None and found.zero_copy
+    return getattr(_local, "views", False) or (found is not None and found.zero_copy)
 
 
 @contextmanager
@@ -89,6 +87,5 @@ def set_prober(prober: Callable[[torch.device], None] | None) -> None:
 def on_cuda_call(tensor: torch.Tensor) -> None:
     """Called by the corrected ops with an input: hands a CUDA device to the prober, outside compilation."""
     prober = _prober
-    if prober is None or tensor.device.type != "cuda" or torch.compiler.is_compiling():
-        return
-    prober(tensor.device)
+    if prober is not None and tensor.device.type == "cuda" and not torch.compiler.is_compiling():
+        prober(tensor.device)

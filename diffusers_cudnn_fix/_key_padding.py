@@ -72,8 +72,7 @@ def plan(mask: torch.Tensor, dtype: torch.dtype) -> Plan:
     if least == seq:
         return _ALL
     if end - start == most:  # every valid key in one run of the longest count's length: a view
-        part = row[:, start:end]
-        bias = None if least == most else _additive(part, dtype)
+        bias = None if least == most else _additive(row[:, start:end], dtype)
         return Plan("window", start, most, None, bias)
     index = torch.argsort((~row).to(torch.int8), dim=1, stable=True)[:, :most]
     bias = None if least == most else _additive(torch.arange(most, device=mask.device) < counts[:, None], dtype)
@@ -116,15 +115,13 @@ def trim(
         or given.is_inference()  # no version counter: a plan could not be cached
         or dropout_p
         or is_causal
+        # Ring attention hands the op K/V chunks (and refuses masks).
+        or getattr(getattr(parallel_config, "context_parallel_config", None), "ring_degree", 1) > 1
+        # The backward that will run could not scatter the K/V gradients back.
+        or (save_ctx and not getattr(getattr(ctx, "backward_op", None), RESTORES, False))
+        # Only in convert mode (warn: as upstream; error: bool masks never get here); mask_mode() without its frame.
+        or _switches._choice(_switches.MASK_VAR) != "convert"
     ):
-        return key, value, mask
-    config = getattr(parallel_config, "context_parallel_config", None)
-    if getattr(config, "ring_degree", 1) > 1:  # ring attention hands the op K/V chunks (and refuses masks)
-        return key, value, mask
-    if save_ctx and not getattr(getattr(ctx, "backward_op", None), RESTORES, False):
-        return key, value, mask  # the backward that will run could not scatter the K/V gradients back
-    # Only in convert mode (warn: as upstream; error: bool masks never get here); mask_mode() without its frame.
-    if _switches._choice(_switches.MASK_VAR) != "convert":
         return key, value, mask
     entry = _plans.get(id(given))
     if entry is not None and entry[0]() is given and entry[1] == given._version and entry[2] == mask.dtype:
@@ -169,13 +166,10 @@ def restored(ctx: Any, grads: Any) -> Any:
     grad_key, grad_value = grads[1], grads[2]
     if found.positions is None:
         pad = (0, 0, 0, 0, found.start, seq - found.start - found.n)
-        grad_key, grad_value = F.pad(grad_key, pad), F.pad(grad_value, pad)
-    else:
-        index = found.positions[:, :, None, None]
-        grad_key = grad_key.new_zeros(grad_key.shape[0], seq, *grad_key.shape[2:]).scatter_(
-            1, index.expand(grad_key.shape), grad_key
-        )
-        grad_value = grad_value.new_zeros(grad_value.shape[0], seq, *grad_value.shape[2:]).scatter_(
-            1, index.expand(grad_value.shape), grad_value
-        )
-    return (grads[0], grad_key, grad_value, *grads[3:])
+        return (grads[0], F.pad(grad_key, pad), F.pad(grad_value, pad), *grads[3:])
+    index = found.positions[:, :, None, None]
+    full_key = grad_key.new_zeros(grad_key.shape[0], seq, *grad_key.shape[2:])
+    full_value = grad_value.new_zeros(grad_value.shape[0], seq, *grad_value.shape[2:])
+    full_key.scatter_(1, index.expand(grad_key.shape), grad_key)
+    full_value.scatter_(1, index.expand(grad_value.shape), grad_value)
+    return (grads[0], full_key, full_value, *grads[3:])

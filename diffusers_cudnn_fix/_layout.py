@@ -55,20 +55,20 @@ def entering(query: torch.Tensor) -> None:
             _devices.on_cuda_call(query)
     elif query.shape[1] == 1 or query.shape[2] == 1:
         raise UnsafeAttentionError(
-            f"diffusers_cudnn_fix: inside a torch.compile graph, diffusers' context-parallel cuDNN / flash attention "
-            f"with q of shape {tuple(query.shape)} (batch, sequence, heads, head dim: one head or one query position "
-            "per rank) gave wrong gradients on an H200, while the same call run eagerly is right. The package asks "
-            "for this call to run eagerly: without fullgraph=True dynamo does so (this call only); with "
-            "fullgraph=True, run the attention eagerly (torch.compiler.disable around it) or choose context-parallel "
-            "degrees that leave more than one head per rank."
+            f"diffusers_cudnn_fix: inside a torch.compile graph, context-parallel cuDNN / flash attention with q of "
+            f"shape {tuple(query.shape)} (B, S, H, D: one head or one query position per rank) gave wrong gradients "
+            "on an H200 (eager: right), so this call must run eagerly: dynamo does so without fullgraph=True; with "
+            "it, wrap the attention in torch.compiler.disable or pick context-parallel degrees leaving 2+ heads a rank."
         )
 
 
 def realigned_all(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """:func:`realigned` of each of ``xs`` (one call on the hot path)."""
-    if torch.compiler.is_compiling():
-        return tuple(x.clone(memory_format=torch.contiguous_format) for x in xs)
-    return tuple(x if x.data_ptr() % ALIGNMENT == 0 else x.clone(memory_format=torch.contiguous_format) for x in xs)
+    """:func:`realigned` of each of ``xs`` in one call: a loop, not a generator (no Python frame per tensor)."""
+    compiling = torch.compiler.is_compiling()
+    out = []
+    for x in xs:
+        out.append(x.clone(memory_format=torch.contiguous_format) if compiling or x.data_ptr() % ALIGNMENT else x)
+    return tuple(out)
 
 
 def kernel_layout(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -112,9 +112,7 @@ def backward_may_follow(ctx: object) -> bool:
     a missing one gives garbage gradients.
     """
     needs = getattr(ctx, "needs_input_grad", None)
-    if needs is None:
-        return True
-    return any(needs[:3])
+    return needs is None or any(needs[:3])
 
 
 def lse_with_ndim(lse: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -131,16 +129,13 @@ def lse_with_ndim(lse: torch.Tensor, ndim: int) -> torch.Tensor:
     )
 
 
-_PER_STEP_NAMES = ("query", "key", "value", "out", "lse")
-
-
 def reject_per_step_tensors(kwargs: dict[str, Any], fix_id: str) -> None:
     """Raise if a caller hands the backward per-step tensors (diffusers >= 0.40's ring attention does).
 
     The corrected backward ops exist for releases <= 0.39, whose callers never pass these; a build that does
     pairs new callers with old ops, which this package has not verified.
     """
-    for name in _PER_STEP_NAMES:
+    for name in ("query", "key", "value", "out", "lse"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(
                 f"diffusers_cudnn_fix: this diffusers build passes per-step tensors ({name}=...) to a backward "

@@ -27,7 +27,6 @@ the user's GPU, torch and cuDNN build:
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import threading
 import time
@@ -53,6 +52,7 @@ BACKENDS = {
 TENSORS = ("out", "dq", "dk", "dv")
 REFERENCE_FACTOR = 5.0
 ABSOLUTE_SLACK = 1e-3
+PASSED = f"every error within {REFERENCE_FACTOR:g}x the bf16 eager reference's (+{ABSOLUTE_SLACK:g}), no NaN"
 
 _lock = threading.Lock()  # one probe at a time; the automatic trigger never waits for it
 
@@ -66,11 +66,10 @@ def table(result: ProbeResult) -> str:
     """The errors as the upstream report showed them: one row per case, out / dQ / dK / dV."""
     lines = [f"{'backend':<6} {'case':<24} {'layout':<15} " + " ".join(f"{t:>9}" for t in TENSORS) + "  verdict"]
     for c in result.cases:
-        if c.error is not None:
-            lines.append(f"{c.backend:<6} {c.case:<24} {c.layout:<15} raised {c.error}")
-            continue
-        errs = " ".join(f"{c.errors[t]:>9.4f}" for t in TENSORS)
-        lines.append(f"{c.backend:<6} {c.case:<24} {c.layout:<15} {errs}  {'pass' if c.passed else 'FAIL'}")
+        found = f"raised {c.error}"
+        if c.error is None:
+            found = " ".join(f"{c.errors[t]:>9.4f}" for t in TENSORS) + ("  pass" if c.passed else "  FAIL")
+        lines.append(f"{c.backend:<6} {c.case:<24} {c.layout:<15} {found}")
     if result.cases and result.cases[0].magnitudes:
         mags = " ".join(f"{result.cases[0].magnitudes[t]:>9.3f}" for t in TENSORS)
         lines.append(f"{'':<6} {'reference magnitudes':<24} {'':<15} {mags}")
@@ -106,12 +105,8 @@ def _failure_message(result: ProbeResult) -> str:
 
 def _announce(result: ProbeResult) -> None:
     if result.state == "passed":
-        logger.info(
-            "diffusers_cudnn_fix: GPU probe passed on %s (%.1f ms)%s",
-            result.device,
-            result.ms,
-            "; zero-copy layout on" if result.zero_copy else "",
-        )
+        views = "; zero-copy layout on" if result.zero_copy else ""
+        logger.info("diffusers_cudnn_fix: GPU probe passed on %s (%.1f ms)%s", result.device, result.ms, views)
     elif result.state == "failed":
         report(_failure_message(result), ProbeFailedWarning)
 
@@ -135,9 +130,10 @@ def _probe_locked(device: torch.device, trigger: str) -> ProbeResult:
     start = time.perf_counter()
     key = str(device)
     earlier = _devices.result(key)
+    runs = 1 if earlier is None else earlier.runs + 1
     skip = _skip_reason(device)
     if skip is not None:
-        result = ProbeResult(key, "skipped", skip, trigger=trigger)
+        result = ProbeResult(key, "skipped", skip, runs=runs, trigger=trigger)
     else:
         # Whatever the caller runs under (autocast, no_grad, inference_mode), the probe needs plain fp32/bf16
         # eager math with autograd.
@@ -150,14 +146,9 @@ def _probe_locked(device: torch.device, trigger: str) -> ProbeResult:
         elif failed:
             state, reason = "failed", ", ".join(f"{c.backend}/{c.case}" for c in failed) + " outside the pass rule"
         else:
-            state = "passed"
-            reason = (
-                f"every error within {REFERENCE_FACTOR:g}x the bf16 eager reference's (+{ABSOLUTE_SLACK:g}), no NaN"
-            )
+            state, reason = "passed", PASSED
         ms = (time.perf_counter() - start) * 1e3
-        result = ProbeResult(key, state, reason, tuple(cases), zero_copy, ms, trigger=trigger)
-    if earlier is not None:
-        result = dataclasses.replace(result, runs=earlier.runs + 1)
+        result = ProbeResult(key, state, reason, tuple(cases), zero_copy, ms, runs, trigger)
     _devices.record(result)
     return result
 
@@ -182,20 +173,18 @@ def _skip_reason(device: Any) -> str | None:
 def _run_all(module: types.ModuleType | None, device: torch.device) -> tuple[list[CaseResult], bool]:
     if module is None:
         return [], False
-    cases: list[CaseResult] = []
-    for backend, (fwd_name, bwd_name) in BACKENDS.items():
-        if getattr(module, fwd_name, None) is None or getattr(module, bwd_name, None) is None:
-            continue
-        for case in CASES:
-            cases.append(_run_case(module, backend, case, device, "as installed"))
-    forward = getattr(module, "_cudnn_attention_forward_op", None)
-    if not (_registry.is_patched("_cudnn_attention_forward_op") and getattr(forward, "zero_copy", False)):
+    cases = [
+        _run_case(module, backend, case, device, "as installed")
+        for backend, names in BACKENDS.items()
+        if all(getattr(module, name, None) is not None for name in names)
+        for case in CASES
+    ]
+    forward = BACKENDS["cudnn"][0]
+    if not (_registry.is_patched(forward) and getattr(getattr(module, forward, None), "zero_copy", False)):
         return cases, False  # only our corrected cuDNN forward can hand the kernel views
     with _devices.trying_views():
-        views = [_run_case(module, "cudnn", case, device, "zero-copy views") for case in CASES]
-    cases.extend(views)
-    copies_ok = all(c.passed for c in cases if c.backend == "cudnn" and c.layout == "as installed")
-    return cases, copies_ok and all(c.passed for c in views)
+        cases += [_run_case(module, "cudnn", case, device, "zero-copy views") for case in CASES]
+    return cases, all(c.passed for c in cases if c.backend == "cudnn")  # the copies and the views
 
 
 class _Harness(torch.autograd.Function):
@@ -203,8 +192,7 @@ class _Harness(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ops: tuple[Any, Any]) -> Any:
-        forward_op, backward_op = ops
-        ctx.probe_backward_op = backward_op
+        forward_op, ctx.probe_backward_op = ops
         query, key, value = (x.clone() for x in (query, key, value))  # fresh, as after the all-to-all
         return forward_op(
             ctx, query, key, value, None, 0.0, False, None, False, False,
@@ -279,9 +267,8 @@ def _run_case(
         got = run_pair(getattr(module, fwd_name), getattr(module, bwd_name), case, device)
     except Exception as exc:  # noqa: BLE001 - a raising op is a finding
         return CaseResult(backend, case[0], layout, {}, ref_errors, magnitudes, False, f"{type(exc).__name__}: {exc}")
-    errors = {}
-    for n in TENSORS:
-        diff = (got[n] - golden[n]).abs()
-        errors[n] = float("inf") if not torch.isfinite(got[n]).all() else diff.max().item()
+    errors = {
+        n: (got[n] - golden[n]).abs().max().item() if torch.isfinite(got[n]).all() else float("inf") for n in TENSORS
+    }
     passed = all(within_rule(errors[n], ref_errors[n]) for n in TENSORS)
     return CaseResult(backend, case[0], layout, errors, ref_errors, magnitudes, passed, None)

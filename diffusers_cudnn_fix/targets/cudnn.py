@@ -37,12 +37,8 @@ POLICIES = FORWARD_POLICIES | BACKWARD_POLICIES
 
 
 def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
-    built: dict[str, Any] = {}
-    if broken & FORWARD_POLICIES:
-        built[FORWARD] = forward_op(shipped(FORWARD), broken)
-    if broken & BACKWARD_POLICIES:
-        built[BACKWARD] = backward_op(shipped(BACKWARD), broken)
-    return built
+    ops = ((FORWARD, FORWARD_POLICIES, forward_op), (BACKWARD, BACKWARD_POLICIES, backward_op))
+    return {target: make(shipped(target), broken) for target, policies, make in ops if broken & policies}
 
 
 def forward_op(shipped: Any, broken: frozenset[str]) -> Any:
@@ -75,19 +71,17 @@ def forward_op(shipped: Any, broken: frozenset[str]) -> Any:
                 query, key, value = (x.to(dtype) if x.is_floating_point() else x for x in (query, key, value))
             if dtypes:
                 refuse_unsupported_dtypes(query, key, value, None)
+            if masks and attn_mask is not None:
+                given, attn_mask = attn_mask, mask_policy(query, key, value, attn_mask)
+                if attn_mask is not None:  # a mask that only pads keys: the valid keys alone (convert mode)
+                    key, value, attn_mask = trim(
+                        ctx, query, key, value, given, attn_mask,
+                        dropout_p=dropout_p, is_causal=is_causal, save_ctx=_save_ctx, parallel_config=_parallel_config,
+                    )  # fmt: skip
+            # A new per-call step on the mask the kernel gets goes here.
+            # Views at an odd offset reach the kernel as they are on every release: hand it aligned memory.
             if attn_mask is not None:
-                if masks:
-                    given, attn_mask = attn_mask, mask_policy(query, key, value, attn_mask)
-                    if attn_mask is not None:  # a mask that only pads keys: the valid keys alone (convert mode)
-                        key, value, attn_mask = trim(
-                            ctx, query, key, value, given, attn_mask,
-                            dropout_p=dropout_p, is_causal=is_causal, save_ctx=_save_ctx,
-                            parallel_config=_parallel_config,
-                        )  # fmt: skip
-                # A new per-call step on the mask the kernel gets goes here.
-                # Views at an odd offset reach the kernel as they are on every release: hand it aligned memory.
-                if attn_mask is not None:
-                    attn_mask = realigned(attn_mask)
+                attn_mask = realigned(attn_mask)
         if correct:
             return corrected_forward(
                 ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, _save_ctx
@@ -116,14 +110,10 @@ def backward_op(shipped: Any, broken: frozenset[str]) -> Any:
 
     def cudnn_attention_backward_op(ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         mask = getattr(ctx, "attn_mask", None)
-        if mask is not None:
-            if rows:
-                grad_out = without_masked_rows(grad_out, mask)
-            # A new per-call step on a masked backward goes here.
-        if correct:
-            grads = corrected_backward(ctx, grad_out, **kwargs)
-        else:
-            grads = shipped(ctx, grad_out, *args, **kwargs)
+        if rows and mask is not None:
+            grad_out = without_masked_rows(grad_out, mask)
+        # A new per-call step on a masked backward goes here.
+        grads = corrected_backward(ctx, grad_out, **kwargs) if correct else shipped(ctx, grad_out, *args, **kwargs)
         return restored(ctx, grads)  # dK / dV back to full length where the forward trimmed padded keys
 
     cudnn_attention_backward_op.__doc__ = (

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .._detect import RING_CLASS, RING_FORWARD_PARAMS, Lookup
-from .._layout import kernel_layout, realigned, with_strides_of
+from .._layout import kernel_layout, realigned_all, with_strides_of
 from .._warnings import UnsafeAttentionError
 from ..fixes import ring_backward, ring_grad_route
 
@@ -89,9 +89,7 @@ def _split_kv(chunk: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tu
 
 def _wait(tensor: torch.Tensor, collectives: Any) -> torch.Tensor:
     """The collective's result, waited for (functional collectives return a tensor that completes later)."""
-    if collectives is not None and isinstance(tensor, collectives.AsyncCollectiveTensor):
-        return tensor.wait()
-    return tensor
+    return tensor.wait() if isinstance(tensor, collectives.AsyncCollectiveTensor) else tensor
 
 
 def ring_attention_forward(
@@ -144,36 +142,31 @@ def ring_attention_forward(
             out = out - torch.sigmoid(step_lse - lse) * (out - step_out)
             lse = lse - F.logsigmoid(lse - step_lse)
     assert out is not None and lse is not None  # world >= 1
-    out = out.to(query.dtype)
-    lse = lse.squeeze(-1)
+    out, lse = out.to(query.dtype), lse.squeeze(-1)
     refused = ring_backward.refusal(world, attn_mask, dropout_p, is_causal, enable_gqa)
     setattr(ctx, RECORD, RingRecord(out.detach(), lse.detach(), refused))
     return (out, lse) if return_lse else out
 
 
-def _step_backend(backward_op: Any, style: str, known_ops: dict[Any, str]) -> str | None:
-    """The backend whose backward op ``backward_op`` is, where the ring may drive it in ``style``. ``known_ops``:
-    the caller's ``STEP_BACKWARD_OPS`` (the checks hand the caller their stand-in through its globals)."""
-    known = known_ops.get(backward_op)
-    if known is not None:
-        return known
+def _drives(backward_op: Any, style: str, known_ops: dict[Any, str]) -> bool:
+    """Whether the ring may drive ``backward_op`` in ``style``: one of ``known_ops`` (the caller's
+    ``STEP_BACKWARD_OPS``: the checks hand the caller their stand-in through its globals) or the package's own."""
     steps = getattr(backward_op, STEPS_ATTR, None)
-    return steps[0] if steps is not None and (style == "keywords" or steps[1] == style) else None
+    return backward_op in known_ops or (steps is not None and (style == "keywords" or steps[1] == style))
 
 
 def _recorded(ctx: Any, fix_id: str) -> RingRecord:
     """What the corrected forward kept on ``ctx``; raises where the backward must not run."""
     record = getattr(ctx, RECORD, None)
-    way_out = ring_backward.way_out(fix_id)
     if not isinstance(record, RingRecord):
         raise UnsafeAttentionError(
-            "diffusers_cudnn_fix: this ring attention's forward ran before the package corrected the ring "
-            f"(apply() between a forward and its backward?), so its backward cannot be corrected. {way_out}"
+            "diffusers_cudnn_fix: this ring attention's forward ran before the package corrected the ring (apply() "
+            f"between a forward and its backward?): its backward cannot be corrected. {ring_backward.way_out(fix_id)}"
         )
     if record.refusal is not None:
         raise UnsafeAttentionError(
             f"diffusers_cudnn_fix: ring context parallelism's backward is corrected without masks, dropout, causal "
-            f"attention or GQA; this call has {record.refusal}. {way_out}"
+            f"attention or GQA; this call has {record.refusal}. {ring_backward.way_out(fix_id)}"
         )
     return record
 
@@ -181,7 +174,7 @@ def _recorded(ctx: Any, fix_id: str) -> RingRecord:
 def saved_step_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tuple[torch.Tensor | None, ...]:
     """``ring_backward``'s policy (0.36 to 0.39): each ring step's gradients from the package's corrected
     backward op, handed that step's K/V with the merged output and log-sum-exp as its saved tensors."""
-    if _step_backend(ctx.backward_op, "saved", STEP_BACKWARD_OPS) is None:
+    if not _drives(ctx.backward_op, "saved", STEP_BACKWARD_OPS):
         raise UnsafeAttentionError(ring_backward.unsupported_backend_message(ctx.backward_op))
     record = _recorded(ctx, ring_backward.FIX_ID)
     # What the forward op saved (kernel layout): q, the local K/V, then the rest as the op keeps it. The
@@ -204,7 +197,7 @@ def keyword_step_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tuple
     handed that step's K/V with the merged output and log-sum-exp as keywords, as 0.40 does."""
     record = _recorded(ctx, ring_grad_route.FIX_ID)
     degree = ctx._parallel_config.context_parallel_config.ring_degree
-    if degree > ring_grad_route.RIGHT_UP_TO and _step_backend(ctx.backward_op, "keywords", STEP_BACKWARD_OPS) is None:
+    if degree > ring_grad_route.RIGHT_UP_TO and not _drives(ctx.backward_op, "keywords", STEP_BACKWARD_OPS):
         raise UnsafeAttentionError(ring_grad_route.unsupported_backend_message(ctx.backward_op, degree))
     # What the forward op saved at the first ring step: q and the local K/V, in model layout (B, S, H, D).
     query, key, value = ctx.saved_tensors[:3]
@@ -246,12 +239,8 @@ def ring_gradients(
     grad_query = torch.zeros(ctx.q_shape, dtype=accum_dtype, device=grad_out.device)
     arriving = None
     for step in range(world):
-        if step == 0:
-            step_key, step_value = key, value
-        else:
-            step_key, step_value = _split_kv(gathered[(rank - step) % world], key, value)
-            step_key, step_value = realigned(step_key), realigned(step_value)
-        grad_q, grad_k, grad_v = step_grads(step_key, step_value)
+        step_kv = (key, value) if step == 0 else realigned_all(*_split_kv(gathered[(rank - step) % world], key, value))
+        grad_q, grad_k, grad_v = step_grads(*step_kv)
         grad_query += grad_q
         grad_kv = torch.cat([grad_k.flatten(), grad_v.flatten()]).to(accum_dtype)
         if arriving is not None:
@@ -259,8 +248,5 @@ def ring_gradients(
         arriving = collectives.permute_tensor(grad_kv, to_next, group=group)
     assert arriving is not None  # world >= 1
     grad_kv = _wait(arriving, collectives)
-    numel = ctx.kv_shape.numel()  # a torch.Size
-    grad_key = grad_kv[:numel].reshape(ctx.kv_shape)
-    grad_value = grad_kv[numel:].reshape(ctx.kv_shape)
-    dtype = grad_out.dtype
-    return (grad_query.to(dtype), grad_key.to(dtype), grad_value.to(dtype), *(None,) * (INPUTS - 3))
+    grad_key, grad_value = grad_kv.to(grad_out.dtype).reshape(2, *ctx.kv_shape).unbind()
+    return (grad_query.to(grad_out.dtype), grad_key, grad_value, *(None,) * (INPUTS - 3))
