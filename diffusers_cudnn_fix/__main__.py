@@ -144,8 +144,10 @@ def _needs(fixes: list[dict[str, Any]], live: dict[str, Any]) -> dict[str, Any]:
     shipped = {f["id"]: live[f["id"]]["state"] if f["detected"] in not_checked else f["detected"] for f in fixes}
     quiet = {fix_id: state in ("ok", "absent") for fix_id, state in shipped.items()}
     applied = [f["id"] for f in fixes if f["applied"]]
-    # Corrections that matter only to some runs (only_for) do not count here; they are named as the condition.
-    corrections = [i for i in shipped if by_id[i].kind == "correction" and not by_id[i].only_for]
+    # A correction that matters only to some runs (only_for) and is found broken does not count here: it is named
+    # as the condition. Found in any other state it counts, as in the registry's log.
+    conditional = {i for i, state in shipped.items() if by_id[i].only_for and state == "broken"}
+    corrections = [i for i in shipped if by_id[i].kind == "correction" and i not in conditional]
     return {
         "shipped_check": shipped,
         "nothing_to_fix": bool(shipped) and not applied and all(quiet.values()),

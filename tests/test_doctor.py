@@ -243,3 +243,30 @@ def test_a_usage_error_has_its_own_exit_status() -> None:
     no_diffusers = _doctor_process(None, "--no-gpu")  # no release on the path: diffusers cannot be imported
     assert no_diffusers.returncode == 2, (no_diffusers.returncode, no_diffusers.stdout, no_diffusers.stderr)
     assert "cannot import" in no_diffusers.stdout
+
+
+def test_a_correction_for_some_runs_only_counts_where_its_check_is_not_sure() -> None:
+    """An ``only_for`` correction found broken is named as the condition of the "can be removed" advice (the
+    registry's log says the same); one whose check could not tell ("unknown") keeps the advice from being given,
+    as the registry's log does."""
+    from diffusers_cudnn_fix import __main__ as doctor
+    from diffusers_cudnn_fix.fixes import ALL_FIXES
+
+    conditional = next(fix for fix in ALL_FIXES if fix.only_for)
+
+    def needs(state: str) -> dict:
+        fixes = [
+            {
+                "id": f.id,
+                "detected": state if f is conditional else "ok",
+                "applied": f is conditional and state == "broken",
+            }
+            for f in ALL_FIXES
+        ]
+        return doctor._needs(fixes, live={})
+
+    broken = needs("broken")
+    assert broken["no_gradient_correction_needed"] is True, broken
+    assert broken["needed_only_for"] == {conditional.id: conditional.only_for}, broken
+    unknown = needs("unknown")
+    assert unknown["no_gradient_correction_needed"] is False, unknown
