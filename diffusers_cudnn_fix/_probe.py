@@ -40,15 +40,11 @@ import torch.backends.cudnn
 from . import _detect, _devices, _registry, _switches
 from ._devices import CaseResult, ProbeResult
 from ._warnings import ProbeFailedWarning, UnsafeAttentionError, logger, report
-
-MODULE_NAME = _switches.MODULE_NAME
+from .fixes import CUDNN_BACKWARD, CUDNN_FORWARD, FLASH_BACKWARD, FLASH_FORWARD
 
 #: (name, B, S_q, S_kv, H, D)
 CASES = (("heads_eq_seq", 2, 16, 16, 16, 64), ("heads_ne_seq_sq_ne_skv", 1, 96, 64, 8, 64))
-BACKENDS = {
-    "cudnn": ("_cudnn_attention_forward_op", "_cudnn_attention_backward_op"),
-    "flash": ("_native_flash_attention_forward_op", "_native_flash_attention_backward_op"),
-}
+BACKENDS = {"cudnn": (CUDNN_FORWARD, CUDNN_BACKWARD), "flash": (FLASH_FORWARD, FLASH_BACKWARD)}
 TENSORS = ("out", "dq", "dk", "dv")
 REFERENCE_FACTOR = 5.0
 ABSOLUTE_SLACK = 1e-3
@@ -138,7 +134,7 @@ def _probe_locked(device: torch.device, trigger: str) -> ProbeResult:
         # Whatever the caller runs under (autocast, no_grad, inference_mode), the probe needs plain fp32/bf16
         # eager math with autograd.
         with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cuda", enabled=False):
-            cases, zero_copy = _run_all(sys.modules.get(MODULE_NAME), device)
+            cases, zero_copy = _run_all(sys.modules.get(_switches.MODULE_NAME), device)
         torch.cuda.synchronize(device)
         failed = [c for c in cases if not c.passed and c.layout == "as installed"]
         if not cases:
@@ -179,8 +175,7 @@ def _run_all(module: types.ModuleType | None, device: torch.device) -> tuple[lis
         if all(getattr(module, name, None) is not None for name in names)
         for case in CASES
     ]
-    forward = BACKENDS["cudnn"][0]
-    if not (_registry.is_patched(forward) and getattr(getattr(module, forward, None), "zero_copy", False)):
+    if not (_registry.is_patched(CUDNN_FORWARD) and getattr(getattr(module, CUDNN_FORWARD, None), "zero_copy", False)):
         return cases, False  # only our corrected cuDNN forward can hand the kernel views
     with _devices.trying_views():
         cases += [_run_case(module, "cudnn", case, device, "zero-copy views") for case in CASES]
