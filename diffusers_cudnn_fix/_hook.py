@@ -16,8 +16,6 @@ from types import ModuleType
 from . import _switches
 from ._warnings import FixNotAppliedWarning, report
 
-MODULE_NAME = _switches.MODULE_NAME
-
 _lock = threading.Lock()
 _active = False  # revert() before diffusers' import disarms the hook; apply() re-arms it
 # None until the hook is registered; then whether diffusers' module was imported before us. Only then can
@@ -36,11 +34,11 @@ def arm() -> None:
         _active = True
         if _late is not None:
             return
-        _late = MODULE_NAME in sys.modules
+        _late = _switches.MODULE_NAME in sys.modules
     try:
         import wrapt
 
-        wrapt.register_post_import_hook(on_import, MODULE_NAME)
+        wrapt.register_post_import_hook(on_import, _switches.MODULE_NAME)
     except Exception as exc:  # noqa: BLE001 - the host's import must survive anything
         report(
             f"diffusers_cudnn_fix: could not register the import hook ({type(exc).__name__}: {exc}); "
