@@ -18,6 +18,7 @@ import functools
 import inspect
 import traceback
 import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -401,6 +402,31 @@ def aten_contract_problem(*ops: str) -> Finding | None:
             f"kernel), not the {cudnn_lse_ndim()} this package expects of it",
         )
     return None
+
+
+class LastResult:
+    """The last result computed from a tensor, kept while the tensor lives unchanged: a mask built once and
+    handed to every layer is read, converted or reordered once. Shared by the fixes whose policies work on the
+    mask per call; each keeps its own."""
+
+    def __init__(self) -> None:
+        # (the tensor, weakly; its version counter; the question; the result)
+        self.last: tuple[weakref.ref[torch.Tensor], int, Any, Any] | None = None
+
+    def get(self, tensor: torch.Tensor, question: Any, compute: Callable[..., Any], *args: Any) -> Any:
+        """``compute(*args)``, computed once per ``tensor`` object, version and ``question`` (the last one kept);
+        every time while compiling, or for an inference tensor (it has no version counter)."""
+        if torch.compiler.is_compiling() or tensor.is_inference():
+            return compute(*args)
+        last = self.last
+        if last is not None and last[0]() is tensor and last[1] == tensor._version and last[2] == question:
+            return last[3]
+        result = compute(*args)
+        self.last = (weakref.ref(tensor, self._forget), tensor._version, question, result)
+        return result
+
+    def _forget(self, _: object) -> None:
+        self.last = None  # the tensor is gone: do not keep what was computed from it alive
 
 
 def with_globals(fn: Callable[..., Any], **overrides: Any) -> Callable[..., Any]:
