@@ -25,7 +25,6 @@ ISSUE = "huggingface/diffusers#14342"
 
 _forced = threading.local()  # .mode: set by the check on its own thread only
 _warned: set[type[Warning]] = set()
-_conversions = _detect.LastResult()  # the last conversion, per source mask, version and dtype
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -33,6 +32,10 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     return mask.to(dtype)
+
+
+# The last conversion: a mask built once and reused by every layer is converted once.
+_converted = _detect.last_result(additive_mask)
 
 
 def _warn_once(category: type[_warnings.DiffusersCudnnFixWarning], message: str) -> None:
@@ -82,7 +85,7 @@ def mask_policy(
                 f"{_reached(attn_mask, dtype)}; it was converted to an additive {dtype} mask. {_switches.MASK_VAR}="
                 "warn passes masks through as diffusers does, =error refuses them (shown once per process).",
             )
-        return _conversions.get(attn_mask, dtype, additive_mask, attn_mask, dtype)
+        return _converted(attn_mask, dtype)
     if MaskMisreadWarning not in _warned:
         _warn_once(
             MaskMisreadWarning,

@@ -81,22 +81,25 @@ def _rank_order(x: torch.Tensor, dim: int, text_len: int, image_len: int, degree
     return torch.cat([text, image], dim=dim + 1).flatten(dim, dim + 1)
 
 
-# The last answer about a mask: one read, or reordered, once while every layer is handed it.
-_answers = _detect.LastResult()
+def _answer(mask: torch.Tensor, question: Any) -> Any:
+    """``"masks"``: whether ``mask`` masks anything; ``(text_len, image_len, degree)``: :func:`rank_ordered_mask`
+    of ``mask`` (2-D (B, S) read as [B, 1, 1, S])."""
+    if question == "masks":
+        return not bool(mask.all()) if mask.dtype == torch.bool else bool(mask.ne(0).any())
+    return rank_ordered_mask(mask[:, None, None, :] if mask.dim() == 2 else mask, *question)
+
+
+# The last answer about a mask: a mask built once and handed to every layer is read, or reordered, once.
+_answers = _detect.last_result(_answer)
 
 
 def _masks_something(mask: torch.Tensor) -> bool:
-    return _answers.get(mask, "masks", _any_masked, mask)
-
-
-def _any_masked(mask: torch.Tensor) -> bool:
-    return not bool(mask.all()) if mask.dtype == torch.bool else bool(mask.ne(0).any())
+    return _answers(mask, "masks")
 
 
 def _reordered(mask: torch.Tensor, text_len: int, image_len: int, degree: int) -> torch.Tensor:
     """:func:`rank_ordered_mask` of ``mask`` (2-D (B, S) read as [B, 1, 1, S]), once per mask object and version."""
-    full = mask[:, None, None, :] if mask.dim() == 2 else mask
-    return _answers.get(mask, (text_len, image_len, degree), rank_ordered_mask, full, text_len, image_len, degree)
+    return _answers(mask, (text_len, image_len, degree))
 
 
 @torch.compiler.assume_constant_result
