@@ -9,7 +9,8 @@ backward kernel in the layout they reached the forward kernel, is the log-sum-ex
 will need it, does ``grad_out`` carry ``out``'s strides, what reaches the bias slot.
 
 Shapes are chosen so that every dimension differs (B=2, S_q=5, S_kv=7, H=3, D=8): any transposition shows
-up as a shape change.
+up as a shape change. Also here, as the one module every fix imports: :func:`last_result`, the one-entry
+cache of the mask policies of ``cudnn_bool_mask`` and ``qwen_joint_mask_order``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import functools
 import inspect
 import traceback
 import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -401,6 +403,30 @@ def aten_contract_problem(*ops: str) -> Finding | None:
             f"kernel), not the {cudnn_lse_ndim()} this package expects of it",
         )
     return None
+
+
+def last_result(compute: Callable[[torch.Tensor, Any], Any]) -> Callable[[torch.Tensor, Any], Any]:
+    """``compute(tensor, question)``, kept for the last tensor and question while the tensor lives unchanged: a
+    mask built once and handed to every layer is read, converted or reordered once. Computed every time while
+    compiling, and for an inference tensor (it has no version counter)."""
+    last: tuple[weakref.ref[torch.Tensor], int, Any, Any] | None = None
+
+    def forget(_: object) -> None:
+        nonlocal last
+        last = None  # the tensor is gone: do not keep what was computed from it alive
+
+    def once(tensor: torch.Tensor, question: Any) -> Any:
+        nonlocal last
+        if torch.compiler.is_compiling() or tensor.is_inference():
+            return compute(tensor, question)
+        kept = last
+        if kept is not None and kept[0]() is tensor and kept[1] == tensor._version and kept[2] == question:
+            return kept[3]
+        result = compute(tensor, question)
+        last = (weakref.ref(tensor, forget), tensor._version, question, result)
+        return result
+
+    return once
 
 
 def with_globals(fn: Callable[..., Any], **overrides: Any) -> Callable[..., Any]:

@@ -10,7 +10,6 @@ forward and where the mask enters Ulysses attention, before it is gathered (docs
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any
 
 import torch
@@ -26,9 +25,6 @@ ISSUE = "huggingface/diffusers#14342"
 
 _forced = threading.local()  # .mode: set by the check on its own thread only
 _warned: set[type[Warning]] = set()
-# The last conversion: (the source mask, weakly; its version counter; the dtype; the converted mask). A mask
-# built once and reused by every layer is converted once.
-_last: tuple[weakref.ref[torch.Tensor], int, torch.dtype, torch.Tensor] | None = None
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -38,21 +34,8 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.to(dtype)
 
 
-def _converted(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    global _last
-    if torch.compiler.is_compiling() or mask.is_inference():  # an inference tensor has no version counter
-        return additive_mask(mask, dtype)
-    last = _last
-    if last is not None and last[0]() is mask and last[1] == mask._version and last[2] == dtype:
-        return last[3]
-    converted = additive_mask(mask, dtype)
-    _last = (weakref.ref(mask, _forget), mask._version, dtype, converted)
-    return converted
-
-
-def _forget(_: object) -> None:
-    global _last
-    _last = None  # the source mask is gone: do not keep its conversion alive
+# The last conversion: a mask built once and reused by every layer is converted once.
+_converted = _detect.last_result(additive_mask)
 
 
 def _warn_once(category: type[_warnings.DiffusersCudnnFixWarning], message: str) -> None:

@@ -12,8 +12,7 @@ from __future__ import annotations
 import functools
 import sys
 import types
-import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -82,36 +81,25 @@ def _rank_order(x: torch.Tensor, dim: int, text_len: int, image_len: int, degree
     return torch.cat([text, image], dim=dim + 1).flatten(dim, dim + 1)
 
 
-# The last answer about a mask: (the mask, weakly; its version counter; the question; the answer). A mask built
-# once and handed to every layer is read, or reordered, once.
-_last: tuple[weakref.ref[torch.Tensor], int, Any, Any] | None = None
+def _answer(mask: torch.Tensor, question: Any) -> Any:
+    """``"masks"``: whether ``mask`` masks anything; ``(text_len, image_len, degree)``: :func:`rank_ordered_mask`
+    of ``mask`` (2-D (B, S) read as [B, 1, 1, S])."""
+    if question == "masks":
+        return not bool(mask.all()) if mask.dtype == torch.bool else bool(mask.ne(0).any())
+    return rank_ordered_mask(mask[:, None, None, :] if mask.dim() == 2 else mask, *question)
 
 
-def _once(mask: torch.Tensor, question: Any, answer: Callable[[], Any]) -> Any:
-    """``answer()`` about ``mask``, computed once per mask object, version and ``question`` (the last one kept)."""
-    global _last
-    last = _last
-    if last is not None and last[0]() is mask and last[1] == mask._version and last[2] == question:
-        return last[3]
-    result = answer()
-    if not mask.is_inference():  # an inference tensor has no version counter
-        _last = (weakref.ref(mask, _forget), mask._version, question, result)
-    return result
-
-
-def _forget(_: object) -> None:
-    global _last
-    _last = None  # the source mask is gone: do not keep what was computed from it alive
+# The last answer about a mask: a mask built once and handed to every layer is read, or reordered, once.
+_answers = _detect.last_result(_answer)
 
 
 def _masks_something(mask: torch.Tensor) -> bool:
-    return _once(mask, "masks", lambda: not bool(mask.all()) if mask.dtype == torch.bool else bool(mask.ne(0).any()))
+    return _answers(mask, "masks")
 
 
 def _reordered(mask: torch.Tensor, text_len: int, image_len: int, degree: int) -> torch.Tensor:
     """:func:`rank_ordered_mask` of ``mask`` (2-D (B, S) read as [B, 1, 1, S]), once per mask object and version."""
-    full = mask[:, None, None, :] if mask.dim() == 2 else mask
-    return _once(mask, (text_len, image_len, degree), lambda: rank_ordered_mask(full, text_len, image_len, degree))
+    return _answers(mask, (text_len, image_len, degree))
 
 
 @torch.compiler.assume_constant_result

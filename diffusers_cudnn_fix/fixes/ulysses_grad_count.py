@@ -10,19 +10,17 @@ from __future__ import annotations
 
 from .. import _detect
 from .._fix import Finding, Lookup, State, shipped_of
-
-CLASS = "TemplatedUlyssesAttention"
-TARGET = f"{CLASS}.backward"
+from . import ULYSSES_BACKWARD, ULYSSES_FORWARD
 
 
 def check(lookup: Lookup) -> Finding:
-    forward, backward = lookup(f"{CLASS}.forward"), lookup(TARGET)
+    forward, backward = lookup(ULYSSES_FORWARD), lookup(ULYSSES_BACKWARD)
     if forward is None or backward is None:
         return Finding("absent", "this diffusers has no TemplatedUlyssesAttention")
-    inputs = _detect.input_count(shipped_of(lookup, f"{CLASS}.forward"))
+    inputs = _detect.input_count(shipped_of(lookup, ULYSSES_FORWARD))
     if inputs is None or getattr(backward, "__code__", None) is None:
         return Finding("unknown", "TemplatedUlyssesAttention's forward/backward are not plain functions")
-    grads, error = _detect.run_ulysses_backward(backward, shipped_of(lookup, TARGET))
+    grads, error = _detect.run_ulysses_backward(backward, shipped_of(lookup, ULYSSES_BACKWARD))
     if grads is None:
         return Finding("unknown", f"the Ulysses backward could not be run in one process ({error})")
     if len(grads) != inputs:

@@ -15,9 +15,8 @@ import torch
 from .. import _detect
 from .._fix import Finding, Lookup, shipped_of
 from .._warnings import UnsafeAttentionError
+from . import ULYSSES_BACKWARD, ULYSSES_FORWARD
 
-CLASS = "TemplatedUlyssesAttention"
-TARGET = f"{CLASS}.forward"
 #: The mask's position among the forward's inputs (q, k, v, mask, ...), and so among the backward's gradients.
 MASK_INPUT = 3
 
@@ -35,17 +34,17 @@ def refuse_mask_grad(attn_mask: torch.Tensor) -> None:
 
 
 def check(lookup: Lookup) -> Finding:
-    forward, backward = lookup(TARGET), lookup(f"{CLASS}.backward")
+    forward, backward = lookup(ULYSSES_FORWARD), lookup(ULYSSES_BACKWARD)
     if forward is None or backward is None:
         return Finding("absent", "this diffusers has no TemplatedUlyssesAttention")
-    grads, error = _detect.run_ulysses_backward(backward, shipped_of(lookup, f"{CLASS}.backward"))
+    grads, error = _detect.run_ulysses_backward(backward, shipped_of(lookup, ULYSSES_BACKWARD))
     if grads is None or len(grads) <= MASK_INPUT:
         return Finding("unknown", f"the Ulysses backward could not be run in one process ({error or len(grads or ())})")
     if grads[MASK_INPUT] is not None:
         return Finding("ok", "the Ulysses backward returns a gradient for the mask")
     # Does the forward (Ulysses degree 1, stand-in collectives) refuse a mask that requires grad?
     mask = torch.zeros(1, 1, 4, 4, requires_grad=True)
-    reached = _detect.op_reached(forward, shipped_of(lookup, TARGET), mask, degree=1)
+    reached = _detect.op_reached(forward, shipped_of(lookup, ULYSSES_FORWARD), mask, degree=1)
     if isinstance(reached, _detect.ReachedOp):
         return Finding(
             "broken", "the Ulysses backward gives the mask no gradient, and the forward takes one requiring it"

@@ -30,7 +30,6 @@ from .ring import STEPS_ATTR
 
 FORWARD = "_cudnn_attention_forward_op"
 BACKWARD = "_cudnn_attention_backward_op"
-TARGETS = (FORWARD, BACKWARD)
 FORWARD_POLICIES = frozenset({"cudnn_forward_lse", "cudnn_input_dtypes", "cudnn_bool_mask"})
 BACKWARD_POLICIES = frozenset({"cudnn_backward_kv", "cudnn_masked_row_grads"})
 POLICIES = FORWARD_POLICIES | BACKWARD_POLICIES

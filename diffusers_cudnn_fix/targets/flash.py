@@ -13,21 +13,19 @@ import torch
 
 from .._fix import Lookup
 from .._layout import entering, realigned_all
+from ..fixes import FLASH_BACKWARD, FLASH_FORWARD
 from ..fixes.flash_backward_kv import corrected_backward
 from .ring import STEPS_ATTR
 
-FORWARD = "_native_flash_attention_forward_op"
-BACKWARD = "_native_flash_attention_backward_op"
-TARGETS = (FORWARD, BACKWARD)
 POLICIES = frozenset({"flash_input_alignment", "flash_backward_kv"})
 
 
 def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
     built: dict[str, Any] = {}
     if "flash_input_alignment" in broken:
-        built[FORWARD] = aligned_forward(shipped(FORWARD))
+        built[FLASH_FORWARD] = aligned_forward(shipped(FLASH_FORWARD))
     if "flash_backward_kv" in broken:
-        built[BACKWARD] = corrected_backward
+        built[FLASH_BACKWARD] = corrected_backward
         setattr(corrected_backward, STEPS_ATTR, ("_native_flash", "saved"))
     return built
 

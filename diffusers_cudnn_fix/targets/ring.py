@@ -18,19 +18,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._detect import RING_CLASS, RING_FORWARD_PARAMS, Lookup
+from .._detect import RING_FORWARD_PARAMS, Lookup
 from .._layout import kernel_layout, realigned_all, with_strides_of
 from .._warnings import UnsafeAttentionError
-from ..fixes import ring_backward, ring_grad_route
+from ..fixes import RING_BACKWARD, RING_FORWARD, ring_backward, ring_grad_route
 
 if torch.distributed.is_available():
     from torch.distributed import _functional_collectives as funcol
 else:  # a torch without distributed support never reaches ring attention
     funcol = None  # type: ignore[assignment]
 
-FORWARD = f"{RING_CLASS}.forward"
-BACKWARD = f"{RING_CLASS}.backward"
-TARGETS = (FORWARD, BACKWARD)
 POLICIES = frozenset({"ring_backward", "ring_grad_route"})
 #: The inputs ``apply`` takes (every parameter but ``ctx``): the backward returns one gradient for each.
 INPUTS = len(RING_FORWARD_PARAMS) - 1
@@ -79,7 +76,7 @@ def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
         STEP_BACKWARD_OPS.update({shipped(n): b for n, b in ring_grad_route.OPS.items() if shipped(n) is not None})
     else:
         return {}
-    return {FORWARD: staticmethod(ring_attention_forward), BACKWARD: staticmethod(backward)}
+    return {RING_FORWARD: staticmethod(ring_attention_forward), RING_BACKWARD: staticmethod(backward)}
 
 
 def _split_kv(chunk: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

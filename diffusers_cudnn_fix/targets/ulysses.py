@@ -16,13 +16,10 @@ import torch
 
 from .._detect import input_count
 from .._fix import Lookup
+from ..fixes import ULYSSES_BACKWARD, ULYSSES_FORWARD
 from ..fixes.qwen_joint_mask_order import in_kv_order
 from ..fixes.ulysses_mask_grad import refuse_mask_grad
 
-CLASS = "TemplatedUlyssesAttention"
-FORWARD = f"{CLASS}.forward"
-BACKWARD = f"{CLASS}.backward"
-TARGETS = (FORWARD, BACKWARD)
 FORWARD_POLICIES = frozenset({"qwen_joint_mask_order", "ulysses_mask_grad", "cudnn_bool_mask"})
 POLICIES = FORWARD_POLICIES | {"ulysses_grad_count"}
 #: Positions among the forward's arguments after the mask: ``forward_op`` and ``_parallel_config``.
@@ -32,12 +29,12 @@ _CONFIG_AFTER_MASK = 7
 
 def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
     built: dict[str, Any] = {}
-    if broken & FORWARD_POLICIES and shipped(FORWARD) is not None:
-        built[FORWARD] = staticmethod(forward(shipped(FORWARD), broken))
+    if broken & FORWARD_POLICIES and shipped(ULYSSES_FORWARD) is not None:
+        built[ULYSSES_FORWARD] = staticmethod(forward(shipped(ULYSSES_FORWARD), broken))
     if "ulysses_grad_count" in broken:
-        inputs = input_count(shipped(FORWARD))
+        inputs = input_count(shipped(ULYSSES_FORWARD))
         assert inputs is not None  # the check read it before the build
-        built[BACKWARD] = staticmethod(backward(shipped(BACKWARD), inputs))
+        built[ULYSSES_BACKWARD] = staticmethod(backward(shipped(ULYSSES_BACKWARD), inputs))
     return built
 
 
