@@ -230,10 +230,10 @@ def _answer(name: str, args: dict[str, Any]) -> tuple[Any, ...]:
     q, k = args["query"], args["key"]
     batch, heads, seq_q = q.shape[:3]
     if name == CUDNN_FORWARD:
-        lse = torch.empty(batch, heads, seq_q, *(1,) * (cudnn_lse_ndim() - 3), dtype=torch.float32)
+        lse_shape = (batch, heads, seq_q, 1) if cudnn_lse_ndim() == 4 else (batch, heads, seq_q)
+        lse = torch.empty(lse_shape, dtype=torch.float32) if args.get("compute_log_sumexp") else None
         seed = torch.empty((), dtype=torch.int64)
-        lse_if_asked = lse if args.get("compute_log_sumexp") else None
-        return (torch.empty_like(q), lse_if_asked, None, None, seq_q, k.shape[2], seed, torch.empty_like(seed), None)
+        return (torch.empty_like(q), lse, None, None, seq_q, k.shape[2], seed, torch.empty_like(seed), None)
     # FLASH_FORWARD: the log-sum-exp is always there, (B, H, S_q); then the rng state, an unused one, debug.
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32)
     rng = (torch.empty(2, dtype=torch.uint64), torch.empty((), dtype=torch.uint64), torch.empty(0, dtype=q.dtype))
@@ -524,12 +524,17 @@ def _call(forward: Any, args: tuple[Any, ...]) -> Any:
     return forward(*args)
 
 
-def mask_entering(forward: Any, mask: torch.Tensor, **call: Any) -> torch.Tensor | str:
+def mask_entering(
+    forward: Any, mask: torch.Tensor, *, passes: tuple[type[Exception], ...] = (), **call: Any
+) -> torch.Tensor | str:
     """The mask diffusers' own Ulysses forward receives when ``forward`` (it, or a replacement calling it) is
     called with ``mask`` (:func:`call_ulysses` on :data:`STOP_MESH` with ``call``), read off diffusers' frame
-    where it asks for its process group; else a text saying what happened instead."""
+    where it asks for its process group; else a text saying what happened instead. ``passes``: exceptions the
+    caller handles itself (raised on, not turned into a text)."""
     try:
         call_ulysses(forward, mask, STOP_MESH, **call)
+    except passes:
+        raise
     except ReachedCollectives as stop:
         frames = [frame for frame, _ in traceback.walk_tb(stop.__traceback__)]
         if len(frames) < 2 or frames[-2].f_globals.get("__name__") != MODULE_NAME:

@@ -81,25 +81,28 @@ def _rank_order(x: torch.Tensor, dim: int, text_len: int, image_len: int, degree
     return torch.cat([text, image], dim=dim + 1).flatten(dim, dim + 1)
 
 
-def _answer(mask: torch.Tensor, question: Any) -> Any:
-    """``"masks"``: whether ``mask`` masks anything; ``(text_len, image_len, degree)``: :func:`rank_ordered_mask`
-    of ``mask`` (2-D (B, S) read as [B, 1, 1, S])."""
-    if question == "masks":
-        return not bool(mask.all()) if mask.dtype == torch.bool else bool(mask.ne(0).any())
-    return rank_ordered_mask(mask[:, None, None, :] if mask.dim() == 2 else mask, *question)
+def _masks(mask: torch.Tensor, _: None) -> bool:
+    """Whether ``mask`` masks anything (one host sync)."""
+    return not bool(mask.all()) if mask.dtype == torch.bool else bool(mask.ne(0).any())
 
 
-# The last answer about a mask: a mask built once and handed to every layer is read, or reordered, once.
-_answers = _detect.last_result(_answer)
+def _reorder(mask: torch.Tensor, lengths: tuple[int, int, int]) -> torch.Tensor:
+    """:func:`rank_ordered_mask` of ``mask`` (2-D (B, S) read as [B, 1, 1, S]) for (text, image length, degree)."""
+    return rank_ordered_mask(mask[:, None, None, :] if mask.dim() == 2 else mask, *lengths)
+
+
+# A mask built once and handed to every layer is read, and reordered, once.
+_masks_cached = _detect.last_result(_masks)
+_reorder_cached = _detect.last_result(_reorder)
 
 
 def _masks_something(mask: torch.Tensor) -> bool:
-    return _answers(mask, "masks")
+    return _masks_cached(mask, None)
 
 
 def _reordered(mask: torch.Tensor, text_len: int, image_len: int, degree: int) -> torch.Tensor:
     """:func:`rank_ordered_mask` of ``mask`` (2-D (B, S) read as [B, 1, 1, S]), once per mask object and version."""
-    return _answers(mask, (text_len, image_len, degree))
+    return _reorder_cached(mask, (text_len, image_len, degree))
 
 
 @torch.compiler.assume_constant_result
@@ -259,8 +262,9 @@ def check(lookup: Lookup) -> Finding:
         return Finding("ok", "Ulysses gathers a sequence-local mask into the K/V's order before the op")
     # diffusers' forward hands the op the mask as it came: what reaches it from QwenImage's processor?
     mask, expected = _padded_global_mask()
-    entering = _detect.mask_entering(forward, mask, **_from_qwen())
-    if isinstance(entering, str) and entering.startswith(UnsafeAttentionError.__name__):
+    try:
+        entering = _detect.mask_entering(forward, mask, passes=(UnsafeAttentionError,), **_from_qwen())
+    except UnsafeAttentionError:
         return Finding("ok", "QwenImage's joint mask, which Ulysses would hand on in another token order, is refused")
     if isinstance(entering, str):
         return Finding("unknown", f"the Ulysses forward could not be run in one process ({entering})")
