@@ -104,7 +104,7 @@ def _announce(result: ProbeResult) -> None:
         views = "; zero-copy layout on" if result.zero_copy else ""
         logger.info("diffusers_cudnn_fix: GPU probe passed on %s (%.1f ms)%s", result.device, result.ms, views)
     elif result.state == "failed":
-        report(_failure_message(result), ProbeFailedWarning)
+        report(_failure_message(result), ProbeFailedWarning, may_raise=True)
 
 
 def probe(device: torch.device | str | int | None = None) -> ProbeResult:

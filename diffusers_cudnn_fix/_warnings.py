@@ -1,13 +1,17 @@
 """Every warning category and the error this package raises, and the one helper that reports a problem.
 
-A problem met at import or hook time becomes a warning of one of these categories plus a ``logging``
-record on the ``diffusers_cudnn_fix`` logger, never an exception in the host's import. A user sees it once:
-the warning, filed at the user's own line (the first frame outside this package, diffusers, torch, wrapt
-and the import machinery). The logger has a ``NullHandler``, so the record reaches the handlers a user
-configures but is not printed a second time by ``logging``'s last-resort handler. Filter them like any
-warning::
+A problem becomes a warning of one of these categories plus a ``logging`` record on the
+``diffusers_cudnn_fix`` logger. A user sees it once: the warning, filed at the user's own line (the first
+frame outside this package, diffusers, torch, wrapt and the import machinery). The logger has a
+``NullHandler``, so the record reaches the handlers a user configures but is not printed a second time by
+``logging``'s last-resort handler. Filter them like any warning::
 
-    warnings.simplefilter("error", diffusers_cudnn_fix.DiffusersCudnnFixWarning)
+    warnings.simplefilter("error", diffusers_cudnn_fix.DiffusersCudnnFixWarning)  # or python -W error
+    warnings.filterwarnings("ignore", category=diffusers_cudnn_fix.MaskConvertedWarning)
+
+An error filter never makes a warning vanish: met on the user's own call (an attention op) it raises there;
+met inside an import (the package's, or the hook inside diffusers' import), which must not break, it is
+written to stderr instead. Notices (the run is right) are shown by rank 0 only; problems by every rank.
 """
 
 from __future__ import annotations
@@ -70,6 +74,11 @@ class UnsafeAttentionError(RuntimeError):
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
+#: Notices: the run is right, the message only says what the package did. Under torchrun every rank meets
+#: them at once, so only rank 0 shows them (the other ranks log them at INFO), as distributed training tools
+#: do; every other category says that a run may be wrong or was refused, and every rank that meets it says it.
+NOTICES: tuple[type[DiffusersCudnnFixWarning], ...] = (MaskConvertedWarning, ReleaseTableMismatchWarning)
+
 
 def _is_user_frame(frame: FrameType) -> bool:
     if frame.f_code.co_filename.startswith(_PACKAGE_DIR):
@@ -79,40 +88,71 @@ def _is_user_frame(frame: FrameType) -> bool:
     return not isinstance(name, str) or name.partition(".")[0] not in _NOT_USER_CODE
 
 
-def report(message: str, category: type[DiffusersCudnnFixWarning], *, say_where: bool = False) -> None:
-    """Log ``message`` at WARNING and emit it as a warning of ``category`` filed at the user's frame
-    (``say_where``: the message also names that frame's file and line, for the log).
+def process_rank() -> int:
+    """This process's global rank: the initialised default process group's, else ``RANK`` (torchrun,
+    accelerate), else 0. Imports nothing (this runs on autograd's threads too)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:  # noqa: BLE001, S110 - a half-initialised group: fall back to the environment
+        pass
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
-    Never raises, even when a filter turns the category into an error: the host's import must not break
-    because of us (a user who wants a hard stop uses the strict switches, which raise on purpose).
+
+def _filter_action(message: str, category: type[Warning], module: str, lineno: int) -> str:
+    """The action the warning filters pick for this warning (``warnings``' own matching rule), without
+    emitting it."""
+    for action, text, cat, mod, line in warnings.filters:
+        if (
+            (text is None or text.match(message))
+            and issubclass(category, cat)
+            and (mod is None or mod.match(module))
+            and (line == 0 or line == lineno)
+        ):
+            return str(action)
+    return str(getattr(warnings, "defaultaction", "default"))
+
+
+def report(
+    message: str, category: type[DiffusersCudnnFixWarning], *, say_where: bool = False, may_raise: bool = False
+) -> None:
+    """Log ``message`` at WARNING and emit it as a warning of ``category`` filed at the user's frame.
+
+    ``say_where``: the log record also names that frame's file and line (the warning's own header does).
+    Under an "error" filter (``python -W error``, pytest's ``filterwarnings = error``) the warning is raised
+    where the caller may raise (``may_raise``: the user's own call, an attention op), and otherwise (inside an
+    import or the hook, which must not break) written to stderr in the warning's own format. An "ignore"
+    filter silences it. A notice (:data:`NOTICES`) is shown by rank 0 only. The log record is written whatever
+    the filters say: logging is configured on its own.
     """
     # The innermost frame of the user's code; None on a stack of ours and the import machinery only
     # (``python -m diffusers_cudnn_fix``, or autograd's own thread).
     frame: FrameType | None = sys._getframe(1)
     while frame is not None and not _is_user_frame(frame):
         frame = frame.f_back
-    if say_where and frame is not None:
-        message = f"{message} Called from {frame.f_code.co_filename}:{frame.f_lineno}."
-    logger.warning(message)
+    at = frame if frame is not None else sys._getframe(1)
+    filename, lineno, module = at.f_code.co_filename, at.f_lineno, at.f_globals.get("__name__")
+    registry = at.f_globals.setdefault("__warningregistry__", {})
+    del frame, at  # no reference cycle through the caller's frames
+    where = f" Called from {filename}:{lineno}." if say_where else ""
+    if issubclass(category, NOTICES) and process_rank() != 0:
+        # Rank 0 shows it; here only an error filter (every rank raises alike) or the log has it.
+        filter_module = module if isinstance(module, str) else filename.removesuffix(".py")
+        if _filter_action(message, category, filter_module, lineno) != "error":
+            logger.info("%s%s", message, where)
+            return
+    logger.warning("%s%s", message, where)
     try:
-        if frame is None:
-            warnings.warn(message, category, stacklevel=2)
-        else:
-            # What warnings.warn does for a frame (its source line read by file name, as warn does).
-            warnings.warn_explicit(
-                message,
-                category,
-                frame.f_code.co_filename,
-                frame.f_lineno,
-                module=frame.f_globals.get("__name__"),
-                registry=frame.f_globals.setdefault("__warningregistry__", {}),
-            )
+        warnings.warn_explicit(message, category, filename, lineno, module=module, registry=registry)
     except Warning:
-        pass  # an "error" filter turned the warning into an exception; it is logged above
-    except Exception:  # noqa: BLE001 - a broken warnings setup must not break the host's import
-        try:
-            warnings.warn(message, category, stacklevel=2)
-        except Exception:  # noqa: BLE001, S110 - logged above
-            pass
-    finally:
-        del frame  # no reference cycle through the caller's frames
+        if may_raise:
+            raise
+        # Raising here would break the host's import: the user still sees it, in the warning's own format.
+        text = warnings.formatwarning(message, category, filename, lineno).rstrip()
+        sys.stderr.write(f"{text}\n  (an error filter matches it; not raised: it was met inside an import)\n")
+    except Exception:  # noqa: BLE001, S110 - a broken warnings setup must not break the host's import
+        pass

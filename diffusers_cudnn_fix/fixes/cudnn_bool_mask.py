@@ -44,7 +44,7 @@ def _warn_once(category: type[_warnings.DiffusersCudnnFixWarning], message: str)
     if torch.compiler.is_compiling():
         return
     _warned.add(category)
-    _warnings.report(message, category, say_where=True)
+    _warnings.report(message, category, say_where=True, may_raise=True)
 
 
 def mask_policy(
