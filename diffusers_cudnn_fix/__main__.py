@@ -400,9 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--no-gpu", action="store_true", help="skip the GPU probe and the error table")
-    parser.add_argument(
-        "--require-gpu", action="store_true", help="exit 3 unless verified on a GPU, also where there is none (CI)"
-    )
+    parser.add_argument("--require-gpu", action="store_true", help="exit 3 unless verified on a GPU (for CI)")
     parser.add_argument("--verbose", "-v", action="store_true", help="show each check's evidence and the live checks")
     args = parser.parse_args(args_list[1:] if args_list[:1] == ["doctor"] else args_list)
     stock = warnings.formatwarning
