@@ -4,16 +4,17 @@ The user's error must not read as the package's fault. In a fresh interpreter wi
 kernels: on 0.39.0, where the package's corrected forward calls the op, the error is a ``NotImplementedError``
 saying that the backend needs CUDA tensors and that diffusers' ``native`` backend runs on a CPU, with torch's own
 error chained below it; on 0.42.1, where diffusers' own forward runs, torch's error surfaces from diffusers'
-frame, as it would without the package. With a kernel registered for the device (the stand-ins), the op's own
-``NotImplementedError`` passes through unchanged (see ``tests/test_standin_kernels.py``).
+frame, as it would without the package. With a kernel registered for the device (the stand-ins, in process),
+the kernel's own ``NotImplementedError`` passes through unchanged: the question is whether the op has a kernel
+for the tensors' device, not which device it is.
 """
 
 from __future__ import annotations
 
+import types
+
 import pytest
 from releases import release_dir, run
-
-pytestmark = pytest.mark.slow
 
 CALL = """
 import json, traceback, types
@@ -43,6 +44,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.slow
 def test_cpu_tensors_get_a_plain_error_naming_the_backend_that_runs_there() -> None:
     result = run(release_dir("0.39.0"), CALL, env={"DIFFUSERS_CUDNN_FIX": "1"}, preloaded=True)
     assert result["patched"] is True, result  # the package's corrected forward made the call
@@ -54,8 +56,21 @@ def test_cpu_tensors_get_a_plain_error_naming_the_backend_that_runs_there() -> N
     assert result["cause"].startswith("NotImplementedError: Could not run"), result["cause"]  # torch's, chained
 
 
+@pytest.mark.slow
 def test_on_a_release_where_diffusers_calls_the_op_its_frame_raises() -> None:
     result = run(release_dir("0.42.1"), CALL, env={"DIFFUSERS_CUDNN_FIX": "1"}, preloaded=True)
     assert result["raised"] == "NotImplementedError", result
     assert "Could not run" in result["message"], result
     assert result["last_frame"].replace("\\", "/").endswith("diffusers/models/attention_dispatch.py"), result
+
+
+def test_a_kernel_for_the_device_raising_is_passed_on_unchanged(patched: types.ModuleType) -> None:
+    import torch
+
+    ctx = types.SimpleNamespace(needs_input_grad=(True,) * 12)
+    ctx.save_for_backward = lambda *t: setattr(ctx, "saved_tensors", t)
+    q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.bfloat16) for _ in range(3))
+    # The CPU stand-in takes no dropout: its own NotImplementedError, not the package's "needs CUDA tensors".
+    with pytest.raises(NotImplementedError, match="stand-in: dropout_p > 0") as raised:
+        patched._cudnn_attention_forward_op(ctx, q, k, v, None, 0.1, False, None, False, False, _save_ctx=True)
+    assert raised.value.__cause__ is None
