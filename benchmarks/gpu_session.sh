@@ -58,7 +58,7 @@ trust)
         python3 -c "import hashlib, pathlib; h = hashlib.sha256(); [h.update(p.read_bytes()) for p in sorted(pathlib.Path('diffusers_cudnn_fix').rglob('*.py'))]; print('package sources sha256', h.hexdigest())"
     } >"$OUT/gpu-session.log" 2>&1
     STEPS=" ${DCF_STEPS:-doctor tests stacks random bench dead_rows} "
-    # The doctor on this GPU, as a user runs it (benchmarks/results/doctor-<version>.txt; the README's H200
+    # The doctor on this GPU, as a user runs it (benchmarks/results/doctor-<version>.txt; docs/doctor.md's H200
     # table cites the 0.39.0 one). Its exit status is the file's last line.
     [[ $STEPS == *" doctor "* ]] && for version in 0.39.0 0.42.1; do
         step "doctor $version" "${DCF_DOCTOR_LIMIT:-120}" bash -c \

@@ -31,16 +31,18 @@ EXIT_USAGE = 64
 
 PROG = "diffusers-cudnn-fix"
 
-USAGE = f"""{PROG} [doctor] [--json] [--no-gpu] [--verbose]
+USAGE = f"""{PROG} [doctor] [--json] [--no-gpu] [--require-gpu] [--verbose]
        {PROG} run [--] COMMAND [ARGS...]
        {PROG} --version"""
 
 DOCTOR_EXIT_STATUSES = f"""\
 exit status of the doctor:
-  0   nothing to fix here, or everything this diffusers needs is active and verified on this GPU
+  0   nothing to fix here; or everything this diffusers needs is active, and verified on this GPU or there is
+      no GPU on this machine to verify it on (the verdict then says "not verified on a GPU: no GPU here")
   1   something needed is not active (switched off, a fix skipped or failing its check), or the GPU probe failed
   2   diffusers (or torch) cannot be imported
-  3   everything needed is active, but there is no usable GPU here to verify it on
+  3   everything needed is active, but not verified on a GPU: there is a GPU here and the probe could not run
+      on it (or --no-gpu), or --require-gpu was given and there is no GPU here
   {EXIT_USAGE}  usage error: an unknown switch or argument
 """
 
@@ -75,6 +77,20 @@ covered: Python started with -S, -I or -E, and children whose environment drops 
 """
 
 _VERDICTS = {EXIT_OK: "OK", EXIT_NOT_SAFE: "NOT SAFE", EXIT_UNVERIFIED: "OK on the check, not verified on a GPU"}
+#: The verdict where everything needed is active and this machine has no GPU to verify it on (exit status 0).
+NO_GPU_VERDICT = "OK on the check; not verified on a GPU: no GPU here"
+
+#: What each guard (and a correction that matters only to some runs) matters to, in the words of a training run:
+#: the doctor's conditions for removing the package on a release that needs no other correction (a fix not
+#: listed here is named by its title, or its ``only_for``).
+GUARDED_CASES = {
+    "cudnn_bool_mask": "attention masks",
+    "ulysses_mask_grad": "attention masks",
+    "cudnn_masked_row_grads": "attention masks",
+    "cudnn_input_dtypes": "fp32 or mixed-dtype q/k/v",
+    "flash_input_alignment": "native flash with one head or token per rank",
+    "ring_grad_route": "ring attention from ring degree 3 or with dropout",
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -158,8 +174,10 @@ def _needs(fixes: list[dict[str, Any]], live: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def collect(run_gpu: bool = True) -> tuple[dict[str, Any], int]:
-    """Everything the doctor shows, as data, and the exit status."""
+def collect(run_gpu: bool = True, require_gpu: bool = False) -> tuple[dict[str, Any], int]:
+    """Everything the doctor shows, as data, and the exit status. Where everything needed is active and this
+    machine has no GPU, the doctor did all it could: exit status 0, its verdict saying "not verified on a GPU"
+    (``require_gpu``: 3, for CI on GPU hosts)."""
     try:
         import diffusers.models.attention_dispatch  # noqa: F401 - fires the hook
         import torch
@@ -189,8 +207,12 @@ def collect(run_gpu: bool = True) -> tuple[dict[str, Any], int]:
     data["status"] = report.to_dict()
     data.update(_needs(data["status"]["fixes"], live))
     verified = data["nothing_to_fix"] or "shipped_vs_corrected" in data  # nothing to verify, or verified on a GPU
+    no_gpu_here = data["environment"]["gpu"] is None
     code = EXIT_NOT_SAFE if not report.ok else (EXIT_OK if verified else EXIT_UNVERIFIED)
-    data["exit_status"] = code
+    verdict = _VERDICTS[code]
+    if code == EXIT_UNVERIFIED and no_gpu_here and not require_gpu:
+        code, verdict = EXIT_OK, NO_GPU_VERDICT
+    data["exit_status"], data["verdict"] = code, verdict
     return data, code
 
 
@@ -231,6 +253,8 @@ _HOW = [
 
 
 def _next_step(data: dict[str, Any]) -> list[str]:
+    from .fixes import ALL_FIXES
+
     status, version = data["status"], data["status"]["diffusers_version"]
     needing = [f for f in status["fixes"] if f["needs_attention"]]
     if not status["ok"] and not status["enabled"]:
@@ -255,15 +279,23 @@ def _next_step(data: dict[str, Any]) -> list[str]:
             "imported anyway, it changes nothing.",
         ]
     if data["no_gradient_correction_needed"]:
-        # One decision, not two instructions: remove it, or keep the guards active everywhere.
+        # What it still guards, and when removing it is safe, first; then how to keep it active everywhere.
+        by_id = {fix.id: fix for fix in ALL_FIXES}
+        cases = [GUARDED_CASES.get(i, by_id[i].title) for i in data["active_guards"]]
+        cases += [GUARDED_CASES.get(i, runs) for i, runs in data["needed_only_for"].items()]
+        *most, last = dict.fromkeys(cases) or ["case the table below lists as guarded"]
+        uses = f"{', '.join(most)}, or {last}" if most else last
+        bug = " has the bool-mask bug (#14342: padded prompts train wrong without the package), so"
+        lead = f"diffusers {version}{bug}" if "cudnn_bool_mask" in data["active_guards"] else f"on diffusers {version},"
+        still = f"Still guarding here: {lead} removing the package is safe only if your training uses no {uses}."
         needs = "".join(f" except {i}, which matters only to {runs}" for i, runs in data["needed_only_for"].items())
-        advice = (
-            f"Can be removed: diffusers {version} needs no gradient correction{needs}. The package only guards here "
-            f"({', '.join(data['active_guards'])}; what each guards against is in the table below). If your training "
-            "can meet none of those cases, remove it. To keep the guards instead, make them active in every process "
-            "of your training run (the doctor applied them in its own process only), either way:"
+        keep = (
+            f"For training that uses none of them it changes nothing: diffusers {version} needs no gradient "
+            f"correction{needs}; the guards ({', '.join(data['active_guards'])}) are in the table below. To keep them, "
+            "make them active in every process of your training run (the doctor applied them in its own process "
+            "only), either way:"
         )
-        return [_wrap(advice), *_HOW]
+        return [_wrap(still), _wrap(keep), *_HOW]
     return [
         f"NEXT STEP: diffusers {version} needs the fixes below. The doctor applied them in its own process only;",
         "make them active in every process of your training run, either way:",
@@ -338,7 +370,7 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
     if not data["nothing_to_fix"] and status["ok"] and probe is not None and probe["state"] == "skipped":
         print("\nNot verified on a GPU here: the behavioural check above ran (on CPU, no GPU needed), the GPU probe")
         print("could not. It runs by itself on the first CUDA call of a corrected op.")
-    print(f"\nverdict: {_VERDICTS[data['exit_status']]} (exit status {data['exit_status']})")
+    print(f"\nverdict: {data['verdict']} (exit status {data['exit_status']})")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -368,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--no-gpu", action="store_true", help="skip the GPU probe and the error table")
+    parser.add_argument("--require-gpu", action="store_true", help="exit 3 unless verified on a GPU (for CI)")
     parser.add_argument("--verbose", "-v", action="store_true", help="show each check's evidence and the live checks")
     args = parser.parse_args(args_list[1:] if args_list[:1] == ["doctor"] else args_list)
     stock = warnings.formatwarning
@@ -380,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
 
     warnings.formatwarning = formatwarning
     try:
-        data, code = collect(run_gpu=not args.no_gpu)
+        data, code = collect(run_gpu=not args.no_gpu, require_gpu=args.require_gpu)
     finally:
         warnings.formatwarning = stock
     try:

@@ -2,7 +2,7 @@
 
 Each release runs ``gpu_checks.py`` in a fresh interpreter. Set ``DIFFUSERS_CUDNN_FIX_RESULTS`` to a folder
 to keep each release's raw JSON (``gpu-results-<version>.json``); results/ in the repository holds the ones
-quoted in the README.
+quoted in the README and docs/doctor.md.
 
 The launch matrix (``test_launch_order``): {package imported first, diffusers first} x {CUDA untouched before
 the imports, CUDA initialised, a one-rank NCCL group initialised} x {0.36.0, 0.39.0, 0.42.1}, plus one run

@@ -40,19 +40,24 @@ def corrected_forward(
     q, k, v = kernel_layout(query, key, value)
     # The backward recomputes the softmax from the log-sum-exp: compute it whenever one may follow.
     compute_lse = return_lse or (_save_ctx and backward_may_follow(ctx))
-    out, lse, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, _ = (
-        torch.ops.aten._scaled_dot_product_cudnn_attention(
-            query=q,
-            key=k,
-            value=v,
-            attn_bias=attn_mask,
-            compute_log_sumexp=compute_lse,
-            dropout_p=dropout_p,
-            is_causal=is_causal,
-            return_debug_mask=False,
-            scale=scale,
+    try:
+        out, lse, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, _ = (
+            torch.ops.aten._scaled_dot_product_cudnn_attention(
+                query=q,
+                key=k,
+                value=v,
+                attn_bias=attn_mask,
+                compute_log_sumexp=compute_lse,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                return_debug_mask=False,
+                scale=scale,
+            )
         )
-    )
+    except NotImplementedError as exc:  # only here, so that a call that runs pays nothing for the question
+        if _has_kernel(q.device):
+            raise
+        raise NotImplementedError(no_kernel_message(q.device)) from exc
     if _save_ctx:
         ctx.save_for_backward(q, k, v, out, lse, cum_seq_q, cum_seq_k, philox_seed, philox_offset)
         ctx.dropout_p = dropout_p
@@ -63,6 +68,25 @@ def corrected_forward(
         ctx.max_k = max_k
     out = out.transpose(1, 2).contiguous()
     return (out, lse.transpose(1, 2).contiguous()) if return_lse else out
+
+
+OP = "aten::_scaled_dot_product_cudnn_attention"
+
+
+def _has_kernel(device: torch.device) -> bool:
+    """Whether the cuDNN attention op has a kernel for ``device`` (a CUDA build on a GPU: yes; a CPU: no, unless
+    one was registered, as the tests' stand-ins are)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(OP, torch._C._dispatch_key_for_device(device.type))
+
+
+def no_kernel_message(device: torch.device) -> str:
+    """What a user whose tensors are not on a GPU reads: the backend's need, and the backend that runs there."""
+    return (
+        f"diffusers' _native_cudnn attention backend needs CUDA tensors: q/k/v are on {device}, where torch has no "
+        f"kernel for {OP} (torch's error is below). This is not diffusers_cudnn_fix's doing: on a {device.type} "
+        'device use diffusers\' "native" attention backend (F.scaled_dot_product_attention), which also supports '
+        "context parallelism; use _native_cudnn on a CUDA GPU."
+    )
 
 
 def check(lookup: Lookup) -> Finding:
