@@ -103,6 +103,12 @@ def build_parser(make_parser: Callable[[str, str, str, str], argparse.ArgumentPa
     add("--json", action="store_true", help="rank 0 prints one JSON object instead of the table")
     add("--without-package", action="store_true", help="every fix off in every rank: the install as shipped")
     add("--nproc", type=int, default=None, metavar="N", help="start N local ranks (not under torchrun)")
+    add(
+        "--dist-backend",
+        choices=("nccl", "gloo"),
+        default=None,
+        help="process-group backend (default: nccl on CUDA, gloo on CPU; gloo lets ranks share one GPU)",
+    )
     add("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S", help="deadline in seconds (default: 300)")
     # Test-only seams (docs/verify.md, "Tests"): a module imported in each rank after torch, before diffusers
     # (the CPU tests' stand-in kernels), and the rendezvous --nproc hands its ranks.
@@ -128,6 +134,7 @@ class Plan:
     without_package: bool
     timeout: float
     preload: list[str]
+    dist_backend: str | None
     rank: int
     world_size: int
     local_rank: int
@@ -206,6 +213,7 @@ def _plan(args: argparse.Namespace, world_size: int) -> Plan:
         without_package=args.without_package,
         timeout=args.timeout,
         preload=list(args.preload),
+        dist_backend=args.dist_backend,
         rank=rank,
         world_size=world_size,
         local_rank=local_rank,
@@ -257,7 +265,7 @@ def _wait_ranks(procs: list[subprocess.Popen[bytes]], timeout: float) -> tuple[l
     deadline = time.monotonic() + timeout
     why: str | None = None
     try:
-        while any(p.poll() is None for p in procs):
+        while [p.poll() for p in procs].count(None):  # every rank polled each time (any() would stop early)
             failed = [r for r, p in enumerate(procs) if p.returncode not in (None, EXIT_PASS, EXIT_MISMATCH)]
             if failed and why is None:
                 why = f"rank {failed[0]} ended with exit status {procs[failed[0]].returncode}"
@@ -331,7 +339,7 @@ def run_rank(plan: Plan) -> int:
         progress(phase)
         torch, diffusers = _imports(plan)
         phase = "joining the process group"
-        progress(f"{phase} ({plan.world_size} ranks, {plan.init_method.partition(':')[0]})")
+        progress(f"{phase} ({plan.world_size} ranks, {plan.init_method.partition(':')[0]} rendezvous)")
         dist = _join(torch, plan)
         phase = "building the model"
         progress(f"building tiny {plan.model} (seed {plan.seed}) on {plan.device}")
@@ -397,13 +405,14 @@ def _imports(plan: Plan) -> tuple[Any, Any]:
 
     _quiet_diffusers(diffusers)
 
-    plan.device = f"cuda:{plan.local_rank}" if torch.cuda.is_available() else "cpu"
+    # As diffusers' own mesh does (rank % device count): ranks beyond the GPU count share a GPU (gloo only).
+    plan.device = f"cuda:{plan.local_rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
     plan.backend = plan.backend or ("_native_cudnn" if plan.device != "cpu" else "native")
     if plan.device == "cpu":
         # The tensors are tiny; one thread per core in each of N ranks would oversubscribe the machine.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.world_size))
     else:
-        torch.cuda.set_device(plan.local_rank)
+        torch.cuda.set_device(torch.device(plan.device))
     return torch, diffusers
 
 
@@ -414,13 +423,14 @@ def _quiet_diffusers(diffusers: Any) -> None:
 
     diffusers.utils.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"diffusers\.")
+    warnings.filterwarnings("ignore", message=r".*_functional_collectives", category=FutureWarning)
 
 
 def _join(torch: Any, plan: Plan) -> Any:
     """The process group diffusers' enable_parallelism needs, under the deadline (NCCL on CUDA, gloo on CPU)."""
     import torch.distributed as dist
 
-    backend = "nccl" if plan.device != "cpu" else "gloo"
+    backend = plan.dist_backend or ("nccl" if plan.device != "cpu" else "gloo")
     dist.init_process_group(
         backend,
         init_method=plan.init_method,
@@ -626,7 +636,16 @@ def _cp_step(torch: Any, dist: Any, built: Built, plan: Plan) -> dict[str, Any] 
 
     model, inputs = _copy(torch, built, _dtype(torch, plan.dtype))
     model.set_attention_backend(plan.backend)
-    config = ContextParallelConfig(ulysses_degree=plan.ulysses, ring_degree=plan.ring)
+    try:
+        config = ContextParallelConfig(ulysses_degree=plan.ulysses, ring_degree=plan.ring)
+    except ValueError as exc:
+        if plan.ulysses * plan.ring > 1:
+            raise
+        # A world of one: diffusers runs no context parallelism there, so there is nothing to check.
+        raise CannotRun(
+            f"context parallelism needs at least 2 ranks: diffusers' ContextParallelConfig refuses Ulysses and ring "
+            f"degree 1 ({exc}). Start verify with --nproc N (N >= 2), or under torchrun --nproc-per-node N."
+        ) from exc
     with _no_accelerator_hint(torch, diffusers.__version__):
         model.enable_parallelism(config=config)
     if plan.checkpointing:
