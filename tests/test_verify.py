@@ -37,7 +37,9 @@ def verify(version: str | None, *args: str, env: dict[str, str] | None = None, t
     """(exit status, stdout, stderr, wall seconds) of ``python -m diffusers_cudnn_fix verify ARGS``."""
     paths = [str(release_dir(version))] if version else []
     full_env = {**os.environ, **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join([*paths, str(ROOT), str(TESTS)])
+    full_env["PYTHONPATH"] = os.pathsep.join([*paths, str(ROOT), str(TESTS), full_env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep
+    )
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DIFFUSERS_CUDNN_FIX"):
         full_env.pop(var, None)
     started = time.monotonic()
