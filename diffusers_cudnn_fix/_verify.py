@@ -711,17 +711,23 @@ def compare(torch: Any, got: dict[str, Any], refs: dict[str, Any], plan: Plan) -
     def flat(tensors: dict[str, Any], names: list[str]) -> Any:
         return torch.cat([tensors[n].reshape(-1) for n in names])
 
+    def versus_fp32(run: dict[str, Any] | None, names: list[str]) -> float | None:
+        """``run``'s error on one row (the output where ``names`` is empty)."""
+        if run is None:
+            return None
+        if not names:
+            return rel_error(torch, run["out"], ref32["out"])
+        return rel_error(torch, flat(run["grads"], names), flat(ref32["grads"], names))
+
     rows, unreached = _rows(torch, got, refs)
     table: list[dict[str, Any]] = []
     per_param: list[dict[str, Any]] = []
     for label, names in rows:
-        if label == "output":
-            error = rel_error(torch, got["out"], ref32["out"])
-            floor = rel_error(torch, floor_run["out"], ref32["out"]) if floor_run else 0.0
-        else:
-            error = rel_error(torch, flat(got["grads"], names), flat(ref32["grads"], names))
-            floor = rel_error(torch, flat(floor_run["grads"], names), flat(ref32["grads"], names)) if floor_run else 0.0
-        tolerance = max(FLOOR_FACTOR * floor, least)
+        error = versus_fp32(got, names)
+        assert error is not None
+        floor = versus_fp32(floor_run, names)
+        # fp32 has no low-precision run to measure a floor with: the fixed least tolerance alone.
+        tolerance = max(FLOOR_FACTOR * (floor or 0.0), least)
         table.append(
             {
                 "group": label,
@@ -753,8 +759,11 @@ def compare(torch: Any, got: dict[str, Any], refs: dict[str, Any], plan: Plan) -
 # ------------------------------------------------------------------------------------------------------------
 # Text
 # ------------------------------------------------------------------------------------------------------------
-def _pct(value: float) -> str:
-    return "inf" if math.isinf(value) else f"{100 * value:.2f}%"
+def _pct(value: float | None) -> str:
+    """A relative error in percent, three significant digits (fp32 errors are millionths); "-" for none."""
+    if value is None:
+        return "-"
+    return "inf" if math.isinf(value) else f"{100 * value:.3g}%"
 
 
 def render(result: dict[str, Any]) -> str:
@@ -768,8 +777,12 @@ def render(result: dict[str, Any]) -> str:
         f"{s['dtype']}, mask {s['mask']}, compile {'on' if s['compile'] else 'off'}, "
         f"checkpointing {'on' if s['checkpointing'] else 'off'}, seed {s['seed']}",
         f"against one process in fp32 ({result['reference_backend']}); error = max|cp - ref| / max|ref| per group; "
-        f"tolerance = max({FLOOR_FACTOR:g} x floor, {_pct(MIN_TOLERANCE[s['dtype']])}), floor = the one-process "
-        f"{s['dtype']} run's error",
+        + (
+            f"tolerance = max({FLOOR_FACTOR:g} x floor, {_pct(MIN_TOLERANCE[s['dtype']])}), floor = the one-process "
+            f"{s['dtype']} run's error"
+            if s["dtype"] != "float32"
+            else f"tolerance = {_pct(MIN_TOLERANCE['float32'])} (fp32: no lower-precision run to measure a floor)"
+        ),
         "",
     ]
     cells = [("group", "params", "error", "floor", "tolerance", "verdict")]
