@@ -662,6 +662,10 @@ def _cp_step(torch: Any, dist: Any, built: Built, plan: Plan) -> dict[str, Any] 
         ]
     )
     dist.reduce(flat, dst=0)
+    if plan.device != "cpu":
+        # NCCL only enqueues the reduce: a rank that ended now could take its part with it and leave rank 0
+        # waiting until the process-group timeout.
+        torch.cuda.synchronize()
     if plan.rank != 0:
         return None
     grads, offset = {}, 0
