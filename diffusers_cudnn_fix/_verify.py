@@ -74,7 +74,7 @@ or alone with --nproc N. Rank 0 prints the table.
 
 EXIT_STATUSES = """\
 exit status of verify:
-  0   every group within tolerance: this set-up trains right
+  0   every group within tolerance: context-parallel gradients match one process on this set-up
   1   a mismatch: the output or some gradients are off (the worst parameters are named)
   2   refused or could not run (the reason is printed: an UnsafeAttentionError, diffusers' own refusal, a rank
       that failed or timed out)
@@ -94,11 +94,12 @@ def build_parser(make_parser: Callable[[str, str, str, str], argparse.ArgumentPa
     add("--model", choices=MODELS, default="flux", help="the tiny transformer (default: flux)")
     add("--ulysses", type=int, default=None, metavar="U", help="Ulysses degree (default: world size / ring)")
     add("--ring", type=int, default=None, metavar="R", help="ring degree (default: 1)")
-    add("--backend", default=None, help="diffusers attention backend (default: _native_cudnn on CUDA, native on CPU)")
+    backend_help = "diffusers attention backend (default: _native_cudnn on CUDA, native on CPU)"
+    add("--backend", default=None, metavar="NAME", help=backend_help)
     add("--mask", choices=("none", "padded"), default="none", help="padded prompts through the model's mask (qwen)")
     add("--compile", action="store_true", help="torch.compile the parallelised transformer (inductor)")
     add("--checkpointing", action="store_true", help="gradient checkpointing on")
-    add("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of the checked run (default: bf16)")
+    add("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="dtype of the checked run (default: bf16)")
     add("--seed", type=int, default=0, help="seed of the weights and inputs (default: 0)")
     add("--json", action="store_true", help="rank 0 prints one JSON object instead of the table")
     add("--without-package", action="store_true", help="every fix off in every rank: the install as shipped")
@@ -404,6 +405,11 @@ def _imports(plan: Plan) -> tuple[Any, Any]:
     import diffusers.models.attention_dispatch  # where the package's hook acts
 
     _quiet_diffusers(diffusers)
+    if not hasattr(diffusers.ModelMixin, "enable_parallelism"):
+        raise CannotRun(
+            f"diffusers {diffusers.__version__} has no context parallelism (no ModelMixin.enable_parallelism): "
+            "nothing to verify, and nothing for this package to fix"
+        )
 
     # As diffusers' own mesh does (rank % device count): ranks beyond the GPU count share a GPU (gloo only).
     plan.device = f"cuda:{plan.local_rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
