@@ -199,7 +199,7 @@ def _plan(args: argparse.Namespace, world_size: int) -> Plan:
     elif "MASTER_ADDR" in os.environ:
         init_method = "env://"  # torchrun, accelerate, or a multi-node launcher that sets it
     else:
-        init_method = f"file://{tempfile.mkdtemp(prefix='dcf-verify-')}/rendezvous"  # a world of one
+        init_method = f"file://{_scratch()}/rendezvous"  # a world of one: no launcher to say where
     return Plan(
         model=args.model,
         ulysses=ulysses,
@@ -244,10 +244,10 @@ def launch_local(argv: list[str], nproc: int, timeout: float) -> int:
     wait for them under ``timeout``; a rank that ends with an error gives the others ``GRACE_S`` to say
     theirs, then they are killed (they would wait in a collective). Rank 0 prints the result."""
     rank_argv = _without_nproc(argv)
-    with tempfile.TemporaryDirectory(prefix="dcf-verify-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="dcf-verify-") as tmp, _stop_on_signals():
         rendezvous = f"file://{os.path.join(tmp, 'rendezvous')}"
-        procs = []
-        for rank in range(nproc):
+
+        def start(rank: int) -> subprocess.Popen[bytes]:
             env = {
                 **os.environ,
                 "RANK": str(rank),
@@ -256,16 +256,51 @@ def launch_local(argv: list[str], nproc: int, timeout: float) -> int:
                 "LOCAL_WORLD_SIZE": str(nproc),
             }
             cmd = [sys.executable, "-m", "diffusers_cudnn_fix", "verify", *rank_argv, "--rendezvous", rendezvous]
-            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
-        codes, why = _wait_ranks(procs, timeout)
+            return subprocess.Popen(cmd, env=env, start_new_session=True)
+
+        codes, why = _wait_ranks(start, nproc, timeout)
     return _launch_verdict(codes, why, "--json" in argv)
 
 
-def _wait_ranks(procs: list[subprocess.Popen[bytes]], timeout: float) -> tuple[list[int | None], str | None]:
-    """Each rank's exit status (None: killed here) and why the others were stopped, if they were."""
+class _Stopped(Exception):
+    """The launcher got SIGTERM or SIGHUP: its ranks must not outlive it (each runs in a session of its own,
+    so no signal to the launcher's process group reaches them)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """SIGTERM / SIGHUP raise ``_Stopped`` in the launcher while it waits, so that it ends its ranks first."""
+
+    raised: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        if not raised:  # once: a second signal must not interrupt the ending of the ranks
+            raised.append(signum)
+            raise _Stopped(signum)
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _wait_ranks(
+    start: Callable[[int], subprocess.Popen[bytes]], nproc: int, timeout: float
+) -> tuple[list[int | None], str | None]:
+    """Start the ranks and wait for them; each rank's exit status (None: killed here) and why the others were
+    stopped, if they were. Started inside the ``try``: a signal while starting them ends those already started."""
     deadline = time.monotonic() + timeout
     why: str | None = None
+    procs: list[subprocess.Popen[bytes]] = []
     try:
+        for rank in range(nproc):
+            procs.append(start(rank))
         while [p.poll() for p in procs].count(None):  # every rank polled each time (any() would stop early)
             failed = [r for r, p in enumerate(procs) if p.returncode not in (None, EXIT_PASS, EXIT_MISMATCH)]
             if failed and why is None:
@@ -277,6 +312,8 @@ def _wait_ranks(procs: list[subprocess.Popen[bytes]], timeout: float) -> tuple[l
             time.sleep(0.1)
     except KeyboardInterrupt:
         why = "interrupted"
+    except _Stopped as exc:
+        why = f"stopped by signal {exc.signum}"
     killed = [r for r, p in enumerate(procs) if p.poll() is None]
     for proc in procs:
         if proc.poll() is None:
@@ -285,6 +322,7 @@ def _wait_ranks(procs: list[subprocess.Popen[bytes]], timeout: float) -> tuple[l
     for proc in procs:
         proc.wait()
     codes: list[int | None] = [None if r in killed else p.returncode for r, p in enumerate(procs)]
+    codes += [None] * (nproc - len(procs))  # never started
     if killed and why is not None:
         why = f"{why}; stopped rank(s) {', '.join(map(str, killed))}"
     return codes, why
@@ -373,8 +411,21 @@ def run_rank(plan: Plan) -> int:
     return int(result["exit_status"])  # not reached: _exit ends the process
 
 
+_SCRATCH: list[str] = []
+
+
+def _scratch() -> str:
+    """A temporary folder for this process's own rendezvous, removed by ``_exit``."""
+    _SCRATCH.append(tempfile.mkdtemp(prefix="dcf-verify-"))
+    return _SCRATCH[-1]
+
+
 def _exit(code: int) -> None:
     """End the process now: its output flushed, no process-group teardown (which can wait on other ranks)."""
+    import shutil
+
+    for folder in _SCRATCH:
+        shutil.rmtree(folder, ignore_errors=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -137,6 +138,22 @@ def test_a_failed_rank_does_not_leave_the_others_waiting(how: str) -> None:
     said = "rank 1 ended with exit status 3" if how == "exit" else "timed out after 15 s"
     assert said in err and "stopped rank(s) 0" in err
     assert wall < 45  # the hang: the 15 s deadline; the exit: GRACE_S (10 s) after it
+
+
+def test_sigterm_to_the_launcher_ends_its_ranks() -> None:
+    """The ranks run in sessions of their own (a signal to the launcher's group does not reach them): the
+    launcher ends them itself, and waits for them, before it exits."""
+    env = {**os.environ, "VERIFY_TEST_FAIL": "hang"}
+    env["PYTHONPATH"] = os.pathsep.join([str(release_dir("0.39.0")), str(ROOT), str(TESTS)])
+    cmd = [sys.executable, "-m", "diffusers_cudnn_fix", "verify", "--nproc", "2", "--preload", "verify_rank_fails"]
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, f"{out}\n{err}"
+    assert "stopped by signal 15" in err and "stopped rank(s) 0, 1" in err
+    assert time.monotonic() - started < 30
 
 
 @pytest.mark.parametrize(
