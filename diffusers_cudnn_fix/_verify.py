@@ -384,7 +384,8 @@ def run_rank(plan: Plan) -> int:
         progress(f"building tiny {plan.model} (seed {plan.seed}) on {plan.device}")
         built = _build(torch, diffusers, plan)
         phase = "one-process reference"
-        progress("one-process reference (fp32) and noise floor" if plan.rank == 0 else phase)
+        floor = f" and noise floor ({plan.dtype})" if plan.dtype != "float32" else ""
+        progress(f"one-process reference (fp32){floor}" if plan.rank == 0 else phase)
         refs = _references(torch, built, plan) if plan.rank == 0 else None
         dist.barrier()
         phase = "context-parallel forward and backward"

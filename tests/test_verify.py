@@ -11,9 +11,10 @@ that one call); ``native`` needs none. The cases:
 * FAIL (exit 1) where the release is silently wrong and the package is off: 0.39.0 ring degree 2 on cuDNN,
   0.42.1 ring degree 3 (``ring_grad_route``: 3 ranks, the cheapest that shows it);
 * exit 2 with the reason where it cannot run: ``native`` ring on 0.39.0 (diffusers' own "does not support
-  return_lse"), 0.42.1 on a CPU-only torch without the seam, a world of one;
-* the launcher: a rank that exits or hangs does not leave the others waiting (exit 2, within the deadline);
-  usage errors exit 64 before any rank starts.
+  return_lse"), fp32 on cuDNN (the package's ``UnsafeAttentionError``), 0.42.1 on a CPU-only torch without
+  the seam, a world of one;
+* the launcher: a rank that exits or hangs, or a SIGTERM to the launcher, does not leave ranks waiting (exit 2,
+  within the deadline); usage errors exit 64 before any rank starts.
 """
 
 from __future__ import annotations
@@ -103,6 +104,13 @@ def test_039_native_ring_is_refused_by_diffusers() -> None:
     code, out, err, _ = verify("0.39.0", "--nproc", "2", "--ring", "2", "--backend", "native")
     assert code == 2, f"{out}\n{err}"
     assert "COULD NOT RUN (exit status 2)" in out and "does not support return_lse" in out
+
+
+def test_039_fp32_on_cudnn_is_refused_by_the_package() -> None:
+    code, out, err, _ = verify("0.39.0", "--nproc", "2", "--dtype", "fp32", "--backend", "_native_cudnn", *SEAMS)
+    assert code == 2, f"{out}\n{err}"
+    assert "COULD NOT RUN (exit status 2)" in out and "UnsafeAttentionError" in out and "bfloat16" in out
+    assert "rank 1: context-parallel forward and backward: UnsafeAttentionError" in err  # each rank says it
 
 
 def test_037_flash_ulysses_passes() -> None:
