@@ -102,6 +102,7 @@ def build_parser(make_parser: Callable[[str, str, str, str], argparse.ArgumentPa
     add("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="dtype of the checked run (default: bf16)")
     add("--seed", type=int, default=0, help="seed of the weights and inputs (default: 0)")
     add("--json", action="store_true", help="rank 0 prints one JSON object instead of the table")
+    add("--traceback", action="store_true", help="print the traceback of an error, not only its message")
     add("--without-package", action="store_true", help="every fix off in every rank: the install as shipped")
     add("--nproc", type=int, default=None, metavar="N", help="start N local ranks (not under torchrun)")
     add(
@@ -133,6 +134,7 @@ class Plan:
     seed: int
     json: bool
     without_package: bool
+    traceback: bool
     timeout: float
     preload: list[str]
     dist_backend: str | None
@@ -212,6 +214,7 @@ def _plan(args: argparse.Namespace, world_size: int) -> Plan:
         seed=args.seed,
         json=args.json,
         without_package=args.without_package,
+        traceback=args.traceback,
         timeout=args.timeout,
         preload=list(args.preload),
         dist_backend=args.dist_backend,
@@ -403,7 +406,7 @@ def run_rank(plan: Plan) -> int:
         if isinstance(exc, KeyboardInterrupt):
             raise
         reason = f"{type(exc).__name__}: {exc}"
-        if os.environ.get("DIFFUSERS_CUDNN_FIX_VERIFY_TRACEBACK"):
+        if plan.traceback:
             traceback.print_exc()
         return _fail(plan, phase, reason)
     result["setup"] = _setup(plan, diffusers.__version__, torch.__version__)
