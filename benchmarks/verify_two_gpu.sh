@@ -14,16 +14,16 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 LOG=$OUT/verify-two-gpu.log
 : >"$LOG"
-one() {  # one RELEASE|"" ARGS...: a verify run under a 300 s limit, logged with its exit status
+one() {  # one RELEASE|installed ARGS...: a verify run under a 300 s limit, logged with its exit status
     local release=$1 path=${PYTHONPATH:-}
     shift
-    [ -n "$release" ] && path=$PWD/.cache/diffusers/$release${path:+:$path}
-    echo "### ${release:-installed}: $*" | tee -a "$LOG"
+    [ "$release" != installed ] && path=$PWD/.cache/diffusers/$release${path:+:$path}
+    echo "### $release: $*" | tee -a "$LOG"
     PYTHONPATH=$path timeout -s INT -k 10 300 "$@" 2>&1 | tee -a "$LOG"
     echo "exit ${PIPESTATUS[0]}" | tee -a "$LOG"
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >>"$LOG" 2>&1
-for release in ${DCF_RELEASES:-""}; do
+for release in ${DCF_RELEASES:-installed}; do
     for backend in _native_cudnn _native_flash; do
         one "$release" python3 -m diffusers_cudnn_fix verify --nproc 2 --backend $backend
         one "$release" python3 -m diffusers_cudnn_fix verify --nproc 2 --ring 2 --backend $backend
