@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu_session.sh keypad  # key-padding masks: bench_gpu.py --sections keypad on 0.39.0 and
 #                                          # 0.42.1, and tests/test_gpu_key_padding.py (about 3 min)
 #   bash benchmarks/gpu_session.sh hook-ab  # the hook only, this package against .base, more runs
+#   bash benchmarks/gpu_session.sh verify   # `diffusers-cudnn-fix verify` on this GPU: tests/test_gpu_verify.py
+#                                           # (raw JSON verify-*.json; docs/verify.md), about 5 min
 #   bash benchmarks/gpu_session.sh trust    # the doctor on 0.39.0 and 0.42.1, launch matrix + GPU tests
 #                                           # (tests/test_gpu.py, ring at degrees 2-4 on 0.36.0, 0.39.0,
 #                                           # 0.40.0, 0.42.1 included; tests/test_gpu_compile.py), training
@@ -149,6 +151,13 @@ keypad)
     step "keypad tests" "${DCF_TESTS_LIMIT:-300}" env DIFFUSERS_CUDNN_FIX_RESULTS=$OUT \
         python3 -m pytest tests/test_gpu_key_padding.py -q -p no:cacheprovider -rfE 2>&1 \
         | tee "$OUT/gpu-key-padding-tests.log"
+    ;;
+verify)
+    # diffusers-cudnn-fix verify on the real kernels: two ranks sharing this GPU over gloo, eager and compiled.
+    python3 -c "import torch; print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version())" \
+        >"$OUT/gpu-session.log" 2>&1
+    step verify "${DCF_VERIFY_LIMIT:-480}" env DIFFUSERS_CUDNN_FIX_RESULTS=$OUT \
+        python3 -m pytest tests/test_gpu_verify.py -q -p no:cacheprovider -rfEs 2>&1 | tee "$OUT/gpu-verify-tests.log"
     ;;
 references)
     # The reference check counts references with sys.getrefcount: run its tests under this Python too

@@ -33,6 +33,7 @@ PROG = "diffusers-cudnn-fix"
 
 USAGE = f"""{PROG} [doctor] [--json] [--no-gpu] [--require-gpu] [--verbose]
        {PROG} run [--] COMMAND [ARGS...]
+       {PROG} verify [--nproc N] [options]   (docs/verify.md; verify --help)
        {PROG} --version"""
 
 DOCTOR_EXIT_STATUSES = f"""\
@@ -396,6 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["run"]:
         return _run_command(args_list[1:])
+    if args_list[:1] == ["verify"]:  # imported only here: it loads torch and diffusers when it runs
+        from . import _verify
+
+        return _verify.main(args_list[1:], _parser)
     parser = _parser(PROG, USAGE, DESCRIPTION, f"{ENVIRONMENT}\n{DOCTOR_EXIT_STATUSES}\n{RUN_EXIT_STATUSES}")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")

@@ -51,9 +51,11 @@ LAYERS = {
     "_hook": 10,
     "__init__": 11,
     "_launcher": 11,  # imports nothing of the package: the CLI's launcher (``run -- COMMAND``)
-    "__main__": 12,
+    # ``verify``: a CLI subcommand (imported by ``__main__`` only when it runs); uses the public API.
+    "_verify": 12,
+    "__main__": 13,
     # The launcher's start-up hook, run in the command's processes: it imports the package from outside.
-    "site-bootstrap.sitecustomize": 13,
+    "site-bootstrap.sitecustomize": 14,
 }
 
 # Code in these runs inside the corrected ops or the probe's trigger.

@@ -1,0 +1,79 @@
+"""``diffusers-cudnn-fix verify`` on a CUDA GPU with the real cuDNN and flash kernels (marker ``gpu``; skipped
+with the reason shown where there is none). docs/verify.md.
+
+diffusers runs no context parallelism in a world of one (``ContextParallelConfig`` refuses Ulysses and ring
+degree 1), so a single GPU is checked with two ranks sharing it over gloo (``--nproc 2 --dist-backend gloo``;
+NCCL refuses two ranks on one device): the same tiny model, diffusers' own ``enable_parallelism``, the real
+``_native_cudnn`` / ``_native_flash`` kernels, eager and inductor-compiled, on 0.39.0 (the package's
+corrections) and 0.42.1 (upstream's ops behind the package's guards): PASS. The control: 0.39.0 ring degree 2
+on cuDNN without the package: MISMATCH (exit 1), on the real kernels. A world of one: exit 2 with the way out.
+With two GPUs or more, the same over NCCL, one GPU per rank (``benchmarks/verify_two_gpu.sh`` runs it by hand).
+``DIFFUSERS_CUDNN_FIX_RESULTS``: a folder for each run's JSON (``verify-<case>.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from test_verify import result, verify
+
+pytestmark = pytest.mark.gpu
+
+RELEASES = ("0.39.0", "0.42.1")
+BACKENDS = ("_native_cudnn", "_native_flash")
+TIMEOUT_S = 420  # inductor compiles the model in each rank
+ONE_GPU = ("--nproc", "2", "--dist-backend", "gloo")
+
+
+def _keep(name: str, found: dict) -> None:
+    folder = os.environ.get("DIFFUSERS_CUDNN_FIX_RESULTS")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        Path(folder, f"verify-{name}.json").write_text(json.dumps(found, indent=1))
+
+
+def _two_gpus() -> bool:
+    import torch
+
+    return torch.cuda.device_count() >= 2
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("version", RELEASES)
+def test_verify_passes_on_one_gpu(version: str, backend: str, compiled: bool) -> None:
+    args = (*ONE_GPU, "--backend", backend, "--json", *(("--compile",) if compiled else ()))
+    code, out, err, wall = verify(version, *args, timeout=TIMEOUT_S)
+    found = result(out)
+    found["wall_s"] = round(wall, 1)
+    _keep(f"{version}-{backend}-{'compiled' if compiled else 'eager'}", found)
+    assert code == 0, f"exit {code}\n{out}\n{err}"
+    assert found["setup"]["device"].startswith("cuda") and found["setup"]["package_ok"]
+
+
+def test_verify_finds_the_039_ring_without_the_package_on_the_gpu() -> None:
+    args = (*ONE_GPU, "--ring", "2", "--backend", "_native_cudnn", "--without-package", "--json")
+    code, out, err, _ = verify("0.39.0", *args, timeout=TIMEOUT_S)
+    found = result(out)
+    _keep("0.39.0-ring2-without-package", found)
+    assert code == 1, f"exit {code}\n{out}\n{err}"
+    assert found["verdict"] == "mismatch"
+
+
+def test_a_world_of_one_is_refused_on_the_gpu() -> None:
+    code, out, err, _ = verify("0.39.0", "--nproc", "1", timeout=TIMEOUT_S)
+    assert code == 2, f"{out}\n{err}"
+    assert "needs at least 2 ranks" in out
+
+
+@pytest.mark.skipif(not _two_gpus(), reason="needs two CUDA GPUs (NCCL, one GPU per rank)")
+@pytest.mark.parametrize("ring", ["1", "2"], ids=["ulysses2", "ring2"])
+@pytest.mark.parametrize("version", RELEASES)
+def test_verify_passes_over_nccl(version: str, ring: str) -> None:
+    code, out, err, _ = verify(version, "--nproc", "2", "--ring", ring, "--json", timeout=TIMEOUT_S)
+    found = result(out)
+    _keep(f"{version}-nccl-ring{ring}", found)
+    assert code == 0, f"exit {code}\n{out}\n{err}"

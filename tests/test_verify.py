@@ -1,0 +1,185 @@
+"""``diffusers-cudnn-fix verify`` on CPU over gloo, with real diffusers releases (docs/verify.md).
+
+Each case starts ``python -m diffusers_cudnn_fix verify --nproc N ...`` with one release first on
+``PYTHONPATH``, as a user would (the launcher starts its N ranks itself). ``_native_cudnn`` and
+``_native_flash`` run on the tests' stand-in kernels, registered in each rank by verify's test-only
+``--preload verify_seams`` (which also gives 0.42.x's ``enable_parallelism`` an accelerator count of 1 for
+that one call); ``native`` needs none. The cases:
+
+* PASS (exit 0) where training is right: 0.39.0 Ulysses and ring with the package (cuDNN), 0.37.0 Ulysses on
+  the native-flash backend, 0.42.1 ring degree 3 with the package;
+* FAIL (exit 1) where the release is silently wrong and the package is off: 0.39.0 ring degree 2 on cuDNN,
+  0.42.1 ring degree 3 (``ring_grad_route``: 3 ranks, the cheapest that shows it);
+* exit 2 with the reason where it cannot run: ``native`` ring on 0.39.0 (diffusers' own "does not support
+  return_lse"), fp32 on cuDNN (the package's ``UnsafeAttentionError``), 0.42.1 on a CPU-only torch without
+  the seam, a world of one;
+* the launcher: a rank that exits or hangs, or a SIGTERM to the launcher, does not leave ranks waiting (exit 2,
+  within the deadline); usage errors exit 64 before any rank starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from releases import ROOT, TESTS, release_dir
+
+pytestmark = pytest.mark.slow
+
+SEAMS = ("--preload", "verify_seams")
+TIMEOUT_S = 240
+
+
+def verify(version: str | None, *args: str, env: dict[str, str] | None = None, timeout: float = TIMEOUT_S):
+    """(exit status, stdout, stderr, wall seconds) of ``python -m diffusers_cudnn_fix verify ARGS``."""
+    paths = [str(release_dir(version))] if version else []
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join([*paths, str(ROOT), str(TESTS), full_env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep
+    )
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DIFFUSERS_CUDNN_FIX"):
+        full_env.pop(var, None)
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "diffusers_cudnn_fix", "verify", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=str(ROOT),
+    )
+    return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - started
+
+
+def result(stdout: str) -> dict:
+    """Rank 0's JSON object (the last line of stdout)."""
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no JSON object in:\n{stdout}"
+    return json.loads(lines[-1])
+
+
+def passed(version: str, *args: str) -> dict:
+    code, out, err, _ = verify(version, "--json", *args)
+    assert code == 0, f"exit {code}\n{out}\n{err}"
+    found = result(out)
+    assert found["verdict"] == "pass" and all(row["ok"] for row in found["rows"])
+    assert found["compared_params"] >= 60  # Flux: 62 parameters, every one compared
+    assert found["setup"]["package"] == "on" and found["setup"]["package_ok"]
+    return found
+
+
+def failed(version: str, *args: str) -> dict:
+    code, out, err, _ = verify(version, "--json", "--without-package", *args)
+    assert code == 1, f"exit {code}\n{out}\n{err}"
+    found = result(out)
+    assert found["verdict"] == "mismatch" and found["setup"]["applied"] == []
+    bad = [row for row in found["rows"] if not row["ok"]]
+    assert bad and max(row["error"] for row in bad) > 0.5  # far off, not at the edge of the tolerance
+    assert found["worst"][0]["error"] > found["worst"][0]["tolerance"]
+    return found
+
+
+def test_039_ulysses_and_ring_pass_with_the_package() -> None:
+    code, out, err, _ = verify("0.39.0", "--nproc", "2", "--backend", "_native_cudnn", *SEAMS)
+    assert code == 0, f"{out}\n{err}"
+    assert "verdict: PASS (exit status 0)" in out and "MISMATCH" not in out
+    assert "transformer_blocks.0.attn" in out  # a row per group of parameters
+    for phase in ("[1/6]", "[5/6] context-parallel forward and backward: ulysses 2 x ring 1", "[6/6] comparing"):
+        assert phase in err  # one line per phase on stderr, from rank 0 only
+    assert err.count("[6/6]") == 1
+    found = passed("0.39.0", "--nproc", "2", "--ring", "2", "--backend", "_native_cudnn", *SEAMS)
+    assert "ring_backward" in found["setup"]["applied"]
+
+
+def test_039_ring_without_the_package_fails() -> None:
+    failed("0.39.0", "--nproc", "2", "--ring", "2", "--backend", "_native_cudnn", *SEAMS)
+
+
+def test_039_native_ring_is_refused_by_diffusers() -> None:
+    code, out, err, _ = verify("0.39.0", "--nproc", "2", "--ring", "2", "--backend", "native")
+    assert code == 2, f"{out}\n{err}"
+    assert "COULD NOT RUN (exit status 2)" in out and "does not support return_lse" in out
+
+
+def test_039_fp32_on_cudnn_is_refused_by_the_package() -> None:
+    code, out, err, _ = verify("0.39.0", "--nproc", "2", "--dtype", "fp32", "--backend", "_native_cudnn", *SEAMS)
+    assert code == 2, f"{out}\n{err}"
+    assert "COULD NOT RUN (exit status 2)" in out and "UnsafeAttentionError" in out and "bfloat16" in out
+    assert "rank 1: context-parallel forward and backward: UnsafeAttentionError" in err  # each rank says it
+
+
+def test_037_flash_ulysses_passes() -> None:
+    found = passed("0.37.0", "--nproc", "2", "--backend", "_native_flash", *SEAMS)
+    assert "flash_backward_kv" in found["setup"]["applied"]
+
+
+def test_042_ring_degree_3_fails_without_the_package_and_passes_with_it() -> None:
+    found = failed("0.42.1", "--nproc", "3", "--ring", "3", "--backend", "_native_cudnn", *SEAMS)
+    assert any("attn" in worst["param"] for worst in found["worst"])
+    found = passed("0.42.1", "--nproc", "3", "--ring", "3", "--backend", "_native_cudnn", *SEAMS)
+    assert "ring_grad_route" in found["setup"]["applied"]
+
+
+def test_042_on_a_cpu_only_torch_says_why_it_cannot_run() -> None:
+    code, out, err, _ = verify("0.42.1", "--nproc", "2")
+    assert code == 2, f"{out}\n{err}"
+    assert "torch.accelerator.device_count()" in out and "ZeroDivisionError" in out
+
+
+def test_a_world_of_one_is_refused_with_the_way_out() -> None:
+    code, out, err, _ = verify("0.39.0")
+    assert code == 2, f"{out}\n{err}"
+    assert "needs at least 2 ranks" in out and "--nproc N" in out
+
+
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_a_failed_rank_does_not_leave_the_others_waiting(how: str) -> None:
+    args = ("--nproc", "2", "--timeout", "15", "--preload", "verify_rank_fails")
+    code, out, err, wall = verify("0.39.0", *args, env={"VERIFY_TEST_FAIL": how}, timeout=120)
+    assert code == 2, f"{out}\n{err}"
+    assert "COULD NOT RUN" in out
+    said = "rank 1 ended with exit status 3" if how == "exit" else "timed out after 15 s"
+    assert said in err and "stopped rank(s) 0" in err
+    assert wall < 45  # the hang: the 15 s deadline; the exit: GRACE_S (10 s) after it
+
+
+def test_sigterm_to_the_launcher_ends_its_ranks() -> None:
+    """The ranks run in sessions of their own (a signal to the launcher's group does not reach them): the
+    launcher ends them itself, and waits for them, before it exits."""
+    env = {**os.environ, "VERIFY_TEST_FAIL": "hang"}
+    env["PYTHONPATH"] = os.pathsep.join([str(release_dir("0.39.0")), str(ROOT), str(TESTS)])
+    cmd = [sys.executable, "-m", "diffusers_cudnn_fix", "verify", "--nproc", "2", "--preload", "verify_rank_fails"]
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, f"{out}\n{err}"
+    assert "stopped by signal 15" in err and "stopped rank(s) 0, 1" in err
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("--nproc", "2", "--mask", "padded"), "--model qwen"),
+        (("--nproc", "2", "--ulysses", "3"), "world size is 2"),
+        (
+            (
+                "--nproc",
+                "0",
+            ),
+            "at least 1",
+        ),
+        (("--backend",), "expected one argument"),
+    ],
+)
+def test_usage_errors_exit_64_before_any_rank_starts(args: tuple[str, ...], says: str) -> None:
+    code, out, err, _ = verify(None, *args, timeout=60)
+    assert code == 64, f"{out}\n{err}"
+    assert says in err and "verify [1/6]" not in err
