@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .._detect import input_count
+from .._detect import REFUSES_GQA, input_count
 from .._fix import Lookup
 from ..fixes import ULYSSES_BACKWARD, ULYSSES_FORWARD
 from ..fixes.qwen_joint_mask_order import in_kv_order
@@ -22,7 +22,8 @@ from ..fixes.ulysses_mask_grad import refuse_mask_grad
 
 FORWARD_POLICIES = frozenset({"qwen_joint_mask_order", "ulysses_mask_grad", "cudnn_bool_mask"})
 POLICIES = FORWARD_POLICIES | {"ulysses_grad_count"}
-#: Positions among the forward's arguments after the mask: ``forward_op`` and ``_parallel_config``.
+#: Positions among the forward's arguments after the mask: ``enable_gqa``, ``forward_op``, ``_parallel_config``.
+_GQA_AFTER_MASK = 3
 _FORWARD_OP_AFTER_MASK = 5
 _CONFIG_AFTER_MASK = 7
 
@@ -54,7 +55,10 @@ def forward(shipped: Any, broken: frozenset[str]) -> Any:
         _shipped: Any = shipped,
         **kwargs: Any,
     ) -> Any:
-        if isinstance(attn_mask, torch.Tensor):
+        op = args[_FORWARD_OP_AFTER_MASK] if len(args) > _FORWARD_OP_AFTER_MASK else kwargs.get("forward_op")
+        gqa = args[_GQA_AFTER_MASK] if len(args) > _GQA_AFTER_MASK else kwargs.get("enable_gqa", False)
+        # An input diffusers' op refuses itself (enable_gqa) gets diffusers' own error, not one of the guards'.
+        if isinstance(attn_mask, torch.Tensor) and not (gqa and getattr(op, REFUSES_GQA, False)):
             if qwen:
                 config = args[_CONFIG_AFTER_MASK] if len(args) > _CONFIG_AFTER_MASK else None
                 attn_mask = in_kv_order(attn_mask, query, key, kwargs.get("_parallel_config", config))
@@ -62,7 +66,6 @@ def forward(shipped: Any, broken: frozenset[str]) -> Any:
                 refuse_mask_grad(attn_mask)
             # A mask that requires grad goes on as it came: with the mask-grad guard off, the op's policy refuses it.
             if convert and not attn_mask.requires_grad:
-                op = args[_FORWARD_OP_AFTER_MASK] if len(args) > _FORWARD_OP_AFTER_MASK else kwargs.get("forward_op")
                 policy = getattr(op, "mask_policy", None)
                 if policy is not None:
                     attn_mask = policy(query, key, value, attn_mask)
