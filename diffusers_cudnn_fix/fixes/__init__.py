@@ -11,8 +11,12 @@ CUDNN_FORWARD = "_cudnn_attention_forward_op"
 CUDNN_BACKWARD = "_cudnn_attention_backward_op"
 FLASH_FORWARD = "_native_flash_attention_forward_op"
 FLASH_BACKWARD = "_native_flash_attention_backward_op"
+#: The ``_native_flash`` backend as diffusers' dispatch reaches it: its entry in the backend registry (a target
+#: ``Holder.attr[key]`` is the entry ``key`` of the dict ``Holder.attr``).
+FLASH_BACKEND = "_AttentionBackendRegistry._backends[_native_flash]"
 ULYSSES_FORWARD = "TemplatedUlyssesAttention.forward"
 ULYSSES_BACKWARD = "TemplatedUlyssesAttention.backward"
+ULYSSES_ANYTHING_FORWARD = "TemplatedUlyssesAnythingAttention.forward"
 RING_FORWARD = "TemplatedRingAttention.forward"
 RING_BACKWARD = "TemplatedRingAttention.backward"
 
@@ -54,6 +58,10 @@ ALL_FIXES: tuple[Fix, ...] = (
         "cuDNN's backward gets fully masked query rows wrong when there is one key/value position",
         "none known: a fault of aten::_scaled_dot_product_cudnn_attention_backward (cuDNN 9.19)", ">=0.36.0",
         (CUDNN_BACKWARD,), "guard"),
+    Fix("flash_cp_ignored",
+        "0.36.0's _native_flash backend ignores context parallelism: each rank attends to its own shard, silently",
+        "not reported upstream; 0.37.0 runs the backend through context-parallel attention", ">=0.36.0,<0.37.0",
+        (FLASH_BACKEND,), "guard"),
     Fix("flash_input_alignment",
         "the native-flash CP forward hands the flash kernel q/k/v off 16 bytes (misaligned address on a GPU)",
         "not reported upstream as of diffusers 0.42.1", ">=0.37.0", (FLASH_FORWARD,), "guard"),

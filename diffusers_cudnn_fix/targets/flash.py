@@ -3,6 +3,8 @@
 forward: a call diffusers' op refuses itself (``enable_gqa``) goes to it untouched -> ``flash_input_alignment``
 (probe trigger, compile refusal, q/k/v on 16 bytes) -> diffusers' op.
 backward: ``flash_backward_kv`` (:func:`corrected_backward`).
+the ``_native_flash`` backend's registry entry (0.36.0): a call diffusers refuses itself (``return_lse``) goes to
+it untouched -> ``flash_cp_ignored`` (:func:`refuse_context_parallel`) -> diffusers' backend.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from .._detect import FLASH_FORWARD as FLASH_KERNEL
 from .._detect import REFUSES_GQA, refuses_gqa
 from .._fix import Lookup
 from .._layout import entering, realigned_all
-from ..fixes import FLASH_BACKWARD, FLASH_FORWARD
+from ..fixes import FLASH_BACKEND, FLASH_BACKWARD, FLASH_FORWARD
 from ..fixes.flash_backward_kv import corrected_backward
+from ..fixes.flash_cp_ignored import refuse_context_parallel, refuses_return_lse
 from .ring import STEPS_ATTR
 
-POLICIES = frozenset({"flash_input_alignment", "flash_backward_kv"})
+POLICIES = frozenset({"flash_input_alignment", "flash_backward_kv", "flash_cp_ignored"})
 #: ``enable_gqa``'s position among the forward op's arguments after q, k, v (mask, dropout, causal, scale, gqa).
 _GQA_AFTER_V = 4
 
@@ -32,6 +35,8 @@ def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
     if "flash_backward_kv" in broken:
         built[FLASH_BACKWARD] = corrected_backward
         setattr(corrected_backward, STEPS_ATTR, ("_native_flash", "saved"))
+    if "flash_cp_ignored" in broken:
+        built[FLASH_BACKEND] = guarded_backend(shipped(FLASH_BACKEND))
     return built
 
 
@@ -51,3 +56,25 @@ def aligned_forward(shipped: Any) -> Any:
     setattr(native_flash_attention_forward_op, REFUSES_GQA, gqa_refused)
     native_flash_attention_forward_op.__signature__ = inspect.signature(shipped)  # type: ignore[attr-defined]
     return native_flash_attention_forward_op
+
+
+def guarded_backend(shipped: Any) -> Any:
+    """``shipped`` (diffusers' ``_native_flash`` backend function, which ignores its context-parallel config)
+    refusing a context-parallel call; its signature is the shipped function's."""
+    params = list(inspect.signature(shipped).parameters)
+    config_at, lse_at = params.index("_parallel_config"), params.index("return_lse")
+    lse_refused = refuses_return_lse(shipped)
+
+    def native_flash_attention(*args: Any, _shipped: Any = shipped, **kwargs: Any) -> Any:
+        config = kwargs["_parallel_config"] if "_parallel_config" in kwargs else None
+        if config is None and len(args) > config_at:
+            config = args[config_at]
+        if config is not None:
+            lse = kwargs["return_lse"] if "return_lse" in kwargs else len(args) > lse_at and args[lse_at]
+            if not (lse and lse_refused):  # diffusers' own error for return_lse, not the guard's
+                refuse_context_parallel(config)
+        return _shipped(*args, **kwargs)
+
+    native_flash_attention.__doc__ = "diffusers' _native_flash backend, refusing context parallelism it ignores."
+    native_flash_attention.__signature__ = inspect.signature(shipped)  # type: ignore[attr-defined]
+    return native_flash_attention
