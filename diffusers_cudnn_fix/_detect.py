@@ -509,6 +509,20 @@ ULYSSES_STAND_INS = {
 }
 
 
+def _later(x: torch.Tensor, group: Any = None, **kwargs: Any) -> Callable[[], torch.Tensor]:
+    return lambda: x
+
+
+#: Stand-ins for the collectives of diffusers' ``TemplatedUlyssesAnythingAttention.forward`` (0.37+): its
+#: all-to-alls hand back their input; the mask all-gather (0.39+) gathers two equal shards.
+ULYSSES_ANYTHING_STAND_INS = {
+    "all_to_all_single_any_qkv_async": _later,
+    "all_to_all_single_any_o_async": _later,
+    "gather_size_by_comm": lambda size, group=None: [size, size],
+    "dist": types.SimpleNamespace(all_gather=_all_gather, get_world_size=lambda group=None: 2),
+}
+
+
 def _reach_op(ctx: Any, query: Any, key: Any, value: Any, attn_mask: Any, *args: Any, **kwargs: Any) -> Any:
     raise ReachedOp(attn_mask)
 
@@ -561,12 +575,16 @@ def mask_entering(
     return "the forward returned without asking for its process group"
 
 
-def op_reached(forward: Any, shipped: Any, mask: torch.Tensor, **call: Any) -> ReachedOp | str:
+def op_reached(
+    forward: Any, shipped: Any, mask: torch.Tensor, *, stand_ins: dict[str, Any] | None = None, **call: Any
+) -> ReachedOp | str:
     """Call ``forward`` (diffusers' Ulysses forward ``shipped``, or a replacement calling it) with stand-in
-    collectives (:func:`with_stand_ins`) and ``mask`` (:func:`call_ulysses` with ``call``): what its attention
-    op raised, with the mask it was handed; else a text saying what happened instead."""
+    collectives (:func:`with_stand_ins`; ``stand_ins``, default :data:`ULYSSES_STAND_INS`) and ``mask``
+    (:func:`call_ulysses` with ``call``): what its attention op raised, with the mask it was handed; else a text
+    saying what happened instead."""
     try:
-        call_ulysses(with_stand_ins(forward, shipped, **ULYSSES_STAND_INS), mask, FAKE_MESH, **call)
+        run = with_stand_ins(forward, shipped, **(ULYSSES_STAND_INS if stand_ins is None else stand_ins))
+        call_ulysses(run, mask, FAKE_MESH, **call)
     except ReachedOp as reached:
         return reached
     except Exception as exc:  # noqa: BLE001 - a refusal, or an unknown build: the caller decides
