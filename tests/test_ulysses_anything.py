@@ -49,7 +49,10 @@ def attention(q, k, v, mask):
         q, k, v, mask, 0.0, False, None, False, False,
         module._cudnn_attention_forward_op, module._cudnn_attention_backward_op, config)
 ref = reference_attention(*(x.float().transpose(1, 2) for x in (q, k, v)), bool_mask=keep).transpose(1, 2)
-out = {"anything_patched": diffusers_cudnn_fix.is_patched("TemplatedUlyssesAnythingAttention.forward")}
+try:
+    out = {"anything_patched": diffusers_cudnn_fix.is_patched("TemplatedUlyssesAnythingAttention.forward")}
+except ValueError:  # a package that does not know the target
+    out = {"anything_patched": None}
 with torch.no_grad():
     out["eager"] = max_abs_error(attention(q, k, v, keep).float(), ref)
     out["gathered"] = gathered[:]
@@ -90,9 +93,13 @@ def test_shipped_ulysses_anything_gathers_the_bool_mask() -> None:
 # attention processor: test_qwen_mask_order's harness, pointed at the ulysses_anything class.
 _HARNESS = test_qwen_mask_order.ENTERING_SCRIPT.partition("gen = torch.Generator")[0]
 QWEN_SCRIPT = (
-    _HARNESS.replace(
-        "module.TemplatedUlyssesAttention.forward", "module.TemplatedUlyssesAnythingAttention.forward"
-    ).replace("get_original(fix.TARGET)", "get_original(fix.ANYTHING)")
+    _HARNESS.replace("module.TemplatedUlyssesAttention.forward", "module.TemplatedUlyssesAnythingAttention.forward")
+    .replace(
+        "diffusers_cudnn_fix.get_original(fix.TARGET)",
+        "(diffusers_cudnn_fix.get_original(ANYTHING) if ANYTHING in diffusers_cudnn_fix.TARGETS"
+        " else module.TemplatedUlyssesAnythingAttention.__dict__['forward'])",  # a package not knowing the target
+    )
+    .replace("installed = ", 'ANYTHING = "TemplatedUlyssesAnythingAttention.forward"\ninstalled = ')
     + """
 padded = torch.ones(2, 1, 1, 8, dtype=torch.bool)
 padded[0, ..., 3] = False
@@ -101,7 +108,7 @@ out = {
     "unpadded": entering(installed, torch.ones(2, 1, 1, 8, dtype=torch.bool)),
     "other_model": entering(installed, padded, caller=OTHER),
     "shipped": entering(shipped, padded),
-    "patched": diffusers_cudnn_fix.is_patched(fix.ANYTHING),
+    "patched": ANYTHING in diffusers_cudnn_fix.TARGETS and diffusers_cudnn_fix.is_patched(ANYTHING),
 }
 print(json.dumps(out))
 """
