@@ -41,11 +41,11 @@ print(json.dumps(out))
 
 def test_036_native_flash_under_context_parallelism_is_refused() -> None:
     result = run(release_dir("0.36.0"), SCRIPT, preloaded=True)
-    assert result["status"] == ["broken", True], result
-    # The bug, as shipped: attention of each rank's shard alone, returned without a word.
-    assert result["reverted_cp"] == "returned", result
     # With the package: refused, naming the cause and the way out.
     assert result["cp"].startswith("UnsafeAttentionError:"), result
+    # The bug, as shipped: attention of each rank's shard alone, returned without a word.
+    assert result["reverted_cp"] == "returned", result
+    assert result["status"] == ["broken", True], result
     assert "ignores context parallelism" in result["cp"] and "_native_cudnn" in result["cp"], result
     assert "0.37.0" in result["cp"], result
     # diffusers' own error for an input it rejects comes first, as shipped (issue #29, item 4).

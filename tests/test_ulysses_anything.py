@@ -75,8 +75,8 @@ def test_a_bool_mask_enters_ulysses_anything_converted_before_the_gather() -> No
     """0.39.0: the mask diffusers' ulysses_anything attention all-gathers is an additive bf16 mask, not the bool
     one (as shipped: bool, which inductor gathers into a wrongly typed buffer); the output is right."""
     result = _gather_run()
-    assert result["anything_patched"] is True, result
     assert result["gathered"] == ["torch.bfloat16"], result
+    assert result["anything_patched"] is True, result
     assert result["eager"] < 0.05, result
     assert result["backward"].startswith("NotImplementedError"), result
 
@@ -121,10 +121,10 @@ def test_qwen_joint_mask_through_ulysses_anything_is_refused(version: str) -> No
     [text, image] against K/V in rank order (the control); with the package it is refused, naming ulysses_anything
     and the ways out. A mask that masks nothing, and another model's mask, pass as they came."""
     result = run(release_dir(version), QWEN_SCRIPT, preloaded=True)
-    assert result["patched"] is True, result
-    assert result["shipped"].get("same") is True, result["shipped"]
     refused = result["padded"].get("refused", "")
     assert refused.startswith("diffusers_cudnn_fix: QwenImage's joint attention mask"), result["padded"]
+    assert result["shipped"].get("same") is True, result["shipped"]
+    assert result["patched"] is True, result
     assert "ulysses_anything" in refused and "0.39.0" in refused, refused
     for case in ("unpadded", "other_model"):
         assert result[case].get("same") is True, (case, result[case])
