@@ -80,7 +80,8 @@ if TYPE_CHECKING:
 __version__ = "0.3.0"
 
 #: What :func:`is_patched` and :func:`get_original` take: the attributes of
-#: ``diffusers.models.attention_dispatch`` the fixes may replace (``Class.method`` for a class attribute),
+#: ``diffusers.models.attention_dispatch`` the fixes may replace (``Class.method`` for a class attribute,
+#: ``Class.attr[key]`` for an entry of a dict such as the backend registry's),
 #: bare or with that module's dotted name before them. Kept here, not read off the fixes, so that the
 #: queries work without torch; tests/test_apply_revert.py checks it against the fixes' targets.
 TARGETS = (
@@ -92,6 +93,8 @@ TARGETS = (
     "TemplatedRingAttention.backward",
     "TemplatedUlyssesAttention.forward",
     "TemplatedUlyssesAttention.backward",
+    "TemplatedUlyssesAnythingAttention.forward",
+    "_AttentionBackendRegistry._backends[_native_flash]",
 )
 
 __all__ = [

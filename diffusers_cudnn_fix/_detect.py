@@ -189,12 +189,14 @@ def run_pair(
     dtype: torch.dtype = torch.bfloat16,
     key_dtype: torch.dtype | None = None,
     qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    enable_gqa: bool = False,
 ) -> Trace:
     """Run ``forward`` (and ``backward`` on its output) on tiny CPU tensors and record the ATen calls.
 
     Called as diffusers' templated attention calls it in training. ``dtype``: of q (and k, v unless
-    ``key_dtype`` is given); ``qkv``: the (B, S, H, D) inputs to use instead. The backward's ``grad_out`` is
-    all ones. Never raises: an exception becomes ``trace.error`` (the calls recorded before it are kept).
+    ``key_dtype`` is given); ``qkv``: the (B, S, H, D) inputs to use instead; ``enable_gqa``: the op's own
+    argument. The backward's ``grad_out`` is all ones. Never raises: an exception becomes ``trace.error`` (the
+    calls recorded before it are kept).
     """
     trace = Trace()
     try:
@@ -207,7 +209,7 @@ def run_pair(
         # no_grad: diffusers calls these ops inside autograd.Function.forward, where grad mode is off.
         with torch.no_grad(), _Recorder(trace):
             trace.forward_result = result = forward(
-                ctx, q, k, v, mask, 0.0, False, None, False, return_lse,
+                ctx, q, k, v, mask, 0.0, False, None, enable_gqa, return_lse,
                 _save_ctx=True, _parallel_config=training_parallel_config(),
             )  # fmt: skip
             if backward is not None:
@@ -216,6 +218,19 @@ def run_pair(
     except Exception as exc:  # noqa: BLE001 - any failure is a finding, never a crash
         trace.error = f"{type(exc).__name__}: {exc}"
     return trace
+
+
+#: Set on the package's forward-op replacements: whether diffusers' op behind it refuses ``enable_gqa`` itself
+#: (:func:`refuses_gqa`), read by the Ulysses replacement to leave such a call to diffusers' own error.
+REFUSES_GQA = "refuses_gqa"
+
+
+def refuses_gqa(forward: Callable[..., Any], forward_op: str) -> bool:
+    """Whether diffusers' forward op raises its own error for ``enable_gqa=True`` before reaching the ATen kernel
+    ``forward_op`` (every release: "`enable_gqa` is not yet supported ..."). The replacements then hand such a
+    call straight to it, guards skipped, so that diffusers' error, not one of the package's, is what surfaces."""
+    trace = run_pair(forward, None, return_lse=False, enable_gqa=True)
+    return trace.error is not None and trace.first(forward_op) is None
 
 
 def _answer(name: str, args: dict[str, Any]) -> tuple[Any, ...]:
@@ -494,6 +509,20 @@ ULYSSES_STAND_INS = {
 }
 
 
+def _later(x: torch.Tensor, group: Any = None, **kwargs: Any) -> Callable[[], torch.Tensor]:
+    return lambda: x
+
+
+#: Stand-ins for the collectives of diffusers' ``TemplatedUlyssesAnythingAttention.forward`` (0.37+): its
+#: all-to-alls hand back their input; the mask all-gather (0.39+) gathers two equal shards.
+ULYSSES_ANYTHING_STAND_INS = {
+    "all_to_all_single_any_qkv_async": _later,
+    "all_to_all_single_any_o_async": _later,
+    "gather_size_by_comm": lambda size, group=None: [size, size],
+    "dist": types.SimpleNamespace(all_gather=_all_gather, get_world_size=lambda group=None: 2),
+}
+
+
 def _reach_op(ctx: Any, query: Any, key: Any, value: Any, attn_mask: Any, *args: Any, **kwargs: Any) -> Any:
     raise ReachedOp(attn_mask)
 
@@ -546,12 +575,16 @@ def mask_entering(
     return "the forward returned without asking for its process group"
 
 
-def op_reached(forward: Any, shipped: Any, mask: torch.Tensor, **call: Any) -> ReachedOp | str:
+def op_reached(
+    forward: Any, shipped: Any, mask: torch.Tensor, *, stand_ins: dict[str, Any] | None = None, **call: Any
+) -> ReachedOp | str:
     """Call ``forward`` (diffusers' Ulysses forward ``shipped``, or a replacement calling it) with stand-in
-    collectives (:func:`with_stand_ins`) and ``mask`` (:func:`call_ulysses` with ``call``): what its attention
-    op raised, with the mask it was handed; else a text saying what happened instead."""
+    collectives (:func:`with_stand_ins`; ``stand_ins``, default :data:`ULYSSES_STAND_INS`) and ``mask``
+    (:func:`call_ulysses` with ``call``): what its attention op raised, with the mask it was handed; else a text
+    saying what happened instead."""
     try:
-        call_ulysses(with_stand_ins(forward, shipped, **ULYSSES_STAND_INS), mask, FAKE_MESH, **call)
+        run = with_stand_ins(forward, shipped, **(ULYSSES_STAND_INS if stand_ins is None else stand_ins))
+        call_ulysses(run, mask, FAKE_MESH, **call)
     except ReachedOp as reached:
         return reached
     except Exception as exc:  # noqa: BLE001 - a refusal, or an unknown build: the caller decides

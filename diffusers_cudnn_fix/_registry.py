@@ -87,19 +87,39 @@ def _diffusers_version() -> str | None:
 
 
 def _holder(module: ModuleType | None, target: str) -> tuple[Any, str]:
-    """What holds ``target`` (the module, or the class of ``Class.attr``; None if missing), and its name there."""
+    """What holds ``target`` (the module, the class of ``Class.attr``, or the dict ``Class.attr`` of
+    ``Class.attr[key]``; None if missing), and its name (or key) there."""
+    if target.endswith("]"):
+        path, _, key = target[:-1].partition("[")
+        holder: Any = module
+        for part in path.split("."):
+            holder = getattr(holder, part, None)
+        return (holder if isinstance(holder, dict) else None), key
     owner, _, name = target.rpartition(".")
     return (getattr(module, owner, None) if owner else module), name
 
 
+def _entry_key(holder: dict[Any, Any], name: str) -> Any:
+    """The key of ``holder`` equal to ``name``: diffusers' backend names are ``str`` enums, equal to their value
+    but hashed by their member name, so they are found by comparison, not by hash."""
+    return next((key for key in holder if key == name), None)
+
+
 def raw_get(module: ModuleType | None, target: str) -> Any:
-    """The object stored at ``target`` (a class's own ``__dict__`` entry for ``Class.attr``), or None."""
+    """The object stored at ``target`` (a class's own ``__dict__`` entry for ``Class.attr``, a dict's entry for
+    ``Class.attr[key]``), or None."""
     holder, name = _holder(module, target)
+    if isinstance(holder, dict):
+        key = _entry_key(holder, name)
+        return None if key is None else holder[key]
     return holder.__dict__.get(name) if isinstance(holder, type) else getattr(holder, name, None)
 
 
 def _raw_set(module: ModuleType | None, target: str, value: Any) -> None:
     holder, name = _holder(module, target)
+    if isinstance(holder, dict):
+        holder[_entry_key(holder, name)] = value  # only ever an entry that is there (raw_get found it)
+        return
     setattr(holder, name, value)
 
 

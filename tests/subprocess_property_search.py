@@ -57,7 +57,9 @@ What counts as a clear error:
   when ``DIFFUSERS_CUDNN_FIX_MASK=error`` ("mask").
   An ``UnsafeAttentionError`` for an example without such a cause is a failure of its own kind (a valid
   input refused).
-* ``ValueError`` from diffusers naming ``enable_gqa``/GQA when ``enable_gqa=True`` was passed.
+* ``ValueError`` from diffusers naming ``enable_gqa``/GQA when ``enable_gqa=True`` was passed; with
+  ``enable_gqa=True`` it is the only clear error (diffusers refuses it itself, so its error must come before
+  any of the package's, issue #29).
 * the flash kernel's own errors, which the real kernel raises too: "FlashAttention only support fp16 and
   bf16 data type" for a non-half dtype, and the stand-in's "must have the same dtype" for mixed dtypes
   (the real flash kernel checks that). The same mixed-dtype error from the *cuDNN* stand-in does not count:
@@ -698,6 +700,9 @@ def classify(exc: BaseException, ex: dict[str, Any], version: tuple[int, ...], m
     package = sys.modules.get("diffusers_cudnn_fix")
     unsafe = getattr(package, "UnsafeAttentionError", None) if package is not None else None
     if unsafe is not None and isinstance(exc, unsafe):
+        if ex["enable_gqa"]:
+            # diffusers' ops refuse enable_gqa themselves: their ValueError must come first (issue #29).
+            return "unclear", "UnsafeAttentionError where diffusers' own enable_gqa error must surface"
         causes = contract_causes(ex, version, mask_mode)
         if not causes:
             return "refused", "UnsafeAttentionError without a cause"

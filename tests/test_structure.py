@@ -39,6 +39,7 @@ LAYERS = {
     "fixes.ulysses_mask_grad": 4,
     "fixes.qwen_joint_mask_order": 4,
     "fixes.flash_input_alignment": 4,
+    "fixes.flash_cp_ignored": 4,
     # One replacement per target, built from the policies of the fixes found broken.
     "targets.ring": 5,
     "targets.cudnn": 6,

@@ -11,8 +11,12 @@ CUDNN_FORWARD = "_cudnn_attention_forward_op"
 CUDNN_BACKWARD = "_cudnn_attention_backward_op"
 FLASH_FORWARD = "_native_flash_attention_forward_op"
 FLASH_BACKWARD = "_native_flash_attention_backward_op"
+#: The ``_native_flash`` backend as diffusers' dispatch reaches it: its entry in the backend registry (a target
+#: ``Holder.attr[key]`` is the entry ``key`` of the dict ``Holder.attr``).
+FLASH_BACKEND = "_AttentionBackendRegistry._backends[_native_flash]"
 ULYSSES_FORWARD = "TemplatedUlyssesAttention.forward"
 ULYSSES_BACKWARD = "TemplatedUlyssesAttention.backward"
+ULYSSES_ANYTHING_FORWARD = "TemplatedUlyssesAnythingAttention.forward"
 RING_FORWARD = "TemplatedRingAttention.forward"
 RING_BACKWARD = "TemplatedRingAttention.backward"
 
@@ -45,7 +49,8 @@ ALL_FIXES: tuple[Fix, ...] = (
     Fix("ulysses_mask_grad", "Ulysses context parallelism gives a mask that requires grad no gradient, silently",
         "not reported upstream as of diffusers 0.42.1", ">=0.36.0", (ULYSSES_FORWARD,), "guard"),
     Fix("cudnn_bool_mask", "bool or wrongly typed attention masks are read as an additive bias by the cuDNN CP op",
-        "https://github.com/huggingface/diffusers/issues/14342", ">=0.36.0", (CUDNN_FORWARD, ULYSSES_FORWARD), "guard",
+        "https://github.com/huggingface/diffusers/issues/14342", ">=0.36.0",
+        (CUDNN_FORWARD, ULYSSES_FORWARD, ULYSSES_ANYTHING_FORWARD), "guard",
         note=_mask_note),
     Fix("cudnn_input_dtypes", "fp32 or mixed-dtype q/k/v are accepted by the raw cuDNN op and give garbage",
         "none filed yet: aten::_scaled_dot_product_cudnn_attention checks no dtype", ">=0.36.0", (CUDNN_FORWARD,),
@@ -54,13 +59,17 @@ ALL_FIXES: tuple[Fix, ...] = (
         "cuDNN's backward gets fully masked query rows wrong when there is one key/value position",
         "none known: a fault of aten::_scaled_dot_product_cudnn_attention_backward (cuDNN 9.19)", ">=0.36.0",
         (CUDNN_BACKWARD,), "guard"),
+    Fix("flash_cp_ignored",
+        "0.36.0's _native_flash backend ignores context parallelism: each rank attends to its own shard, silently",
+        "not reported upstream; 0.37.0 runs the backend through context-parallel attention", ">=0.36.0,<0.37.0",
+        (FLASH_BACKEND,), "guard"),
     Fix("flash_input_alignment",
         "the native-flash CP forward hands the flash kernel q/k/v off 16 bytes (misaligned address on a GPU)",
         "not reported upstream as of diffusers 0.42.1", ">=0.37.0", (FLASH_FORWARD,), "guard"),
     Fix("qwen_joint_mask_order",
         "QwenImage's joint mask meets Ulysses' K/V in another token order: padded prompts train wrong",
         "fixed in diffusers 0.39.0 (the plan shards the mask; Ulysses all-gathers it)", ">=0.36.0,<0.39.0",
-        (ULYSSES_FORWARD,)),
+        (ULYSSES_FORWARD, ULYSSES_ANYTHING_FORWARD)),
     Fix("ring_backward", "ring/unified context parallelism's backward reuses the first ring step's tensors",
         PR_14274, ">=0.36.0,<0.40.0", (RING_FORWARD, RING_BACKWARD)),
     Fix("ring_grad_route", "ring attention's backward routes the K/V gradients wrong from ring degree 3",

@@ -4,7 +4,7 @@ Bug: the kernel reads the mask's memory as q's dtype: a bool mask out of bounds,
 as garbage, an integer 0/1 mask as +0/+1. Every release with the op, 0.36.0 up to at least 0.42.1 (#14342).
 Detection: bool, fp32 and integer masks: what bias reaches the kernels, and what mask enters Ulysses.
 The package: :func:`mask_policy` by mode (``DIFFUSERS_CUDNN_FIX_MASK``, docs/behaviour.md), in the cuDNN
-forward and where the mask enters Ulysses attention, before it is gathered (docs/fixes.md).
+forward and where the mask enters Ulysses attention (ulysses_anything's too), before it is gathered (docs/fixes.md).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from .._warnings import MaskConvertedWarning, MaskMisreadWarning, UnsafeAttentio
 
 TARGET = "_cudnn_attention_forward_op"
 ULYSSES = "TemplatedUlyssesAttention.forward"
+ULYSSES_ANYTHING = "TemplatedUlyssesAnythingAttention.forward"
 ISSUE = "huggingface/diffusers#14342"
 
 
@@ -135,20 +136,25 @@ def check(lookup: Lookup) -> Finding:
         trace = _detect.run_pair(forward, None, return_lse=True, mask=_detect.check_mask("int64"))
         if trace.first(_detect.CUDNN_FORWARD) is not None:
             return Finding("broken", "an integer mask reaches the cuDNN kernel's bias")
-        ulysses = lookup(ULYSSES)
-        if ulysses is not None:
+        # Where the mask enters diffusers' Ulysses attention (the plain class, and 0.37+'s ulysses_anything one),
+        # before it may be all-gathered.
+        for target in (ULYSSES, ULYSSES_ANYTHING):
+            ulysses, name = lookup(target), target.partition(".")[0]
+            if ulysses is None:
+                continue
             shape = (_detect.BATCH, _detect.SEQ_Q, _detect.HEADS, _detect.HEAD_DIM)
             entering = _detect.mask_entering(
                 ulysses, torch.ones(_detect.BATCH, 1, _detect.SEQ_Q, _detect.SEQ_Q, dtype=torch.bool), degree=2,
-                forward_op=forward, shape=shape, dtype=torch.bfloat16, ring_degree=1, ulysses_anything=False,
+                forward_op=forward, shape=shape, dtype=torch.bfloat16, ring_degree=1,
+                ulysses_anything=target == ULYSSES_ANYTHING,
             )  # fmt: skip
             if isinstance(entering, str):
-                return Finding("unknown", f"the Ulysses forward could not be run in one process ({entering})")
+                return Finding("unknown", f"{name}'s forward could not be run in one process ({entering})")
             if entering.dtype != torch.bfloat16:
                 return Finding(
                     "broken",
-                    f"a bool mask enters diffusers' Ulysses attention as {entering.dtype}, which torch.compile "
-                    "all-gathers into a wrongly typed buffer",
+                    f"a bool mask enters diffusers' {name} as {entering.dtype}, which torch.compile all-gathers "
+                    "into a wrongly typed buffer",
                 )
     finally:
         _forced.mode = None

@@ -4,7 +4,8 @@ Bug: QwenImage's joint mask is in global order [all text, all image], Ulysses' K
 image_0, text_1, ...]: padded prompts train silently wrong. Releases 0.36.0-0.38.0 (0.39.0 gathers a sharded
 mask). Detection: does diffusers' Ulysses forward gather a local mask; if not, which mask reaches it from a
 QwenImage processor stand-in? The package: :func:`in_kv_order` reorders QwenImage's mask into the K/V's
-order and refuses, naming the layout, a mask it cannot map that masks something (docs/fixes.md).
+order and refuses, naming the layout, a mask it cannot map that masks something; through ulysses_anything
+(unequal shards) every such mask (docs/fixes.md).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .._fix import Finding, Lookup, shipped_of
 from .._warnings import UnsafeAttentionError
 
 TARGET = "TemplatedUlyssesAttention.forward"
+ANYTHING = "TemplatedUlyssesAnythingAttention.forward"
 QWEN_MODULE = "diffusers.models.transformers.transformer_qwenimage"
 QWEN_MODEL = "QwenImageTransformer2DModel"
 MASK_INPUT = "encoder_hidden_states_mask"
@@ -40,6 +42,8 @@ MESSAGE = (
     "length). Upgrade diffusers to >= 0.39.0 (fixed upstream), or train with prompts of one length "
     "(encoder_hidden_states_mask=None), or without context parallelism."
 )
+
+ANYTHING_WAY_OUT = " Or set ulysses_anything=False, where the package reorders the mask."
 
 COMPILE_MESSAGE = (
     "diffusers_cudnn_fix: a mask reached diffusers' Ulysses attention (Ulysses degree {degree}) inside a "
@@ -167,10 +171,14 @@ def _layout_problem(
     return None
 
 
-def in_kv_order(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor, config: Any) -> torch.Tensor:
+def in_kv_order(
+    attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor, config: Any, *, anything: bool = False
+) -> torch.Tensor:
     """``attn_mask`` as the attention op must get it: QwenImage's joint mask (read off the calling frames:
     through the package, dispatch and autograd) at Ulysses degree > 1 put into the K/V's order; every other
-    mask as it came. Raises :class:`UnsafeAttentionError` for a QwenImage mask it cannot map."""
+    mask as it came. Raises :class:`UnsafeAttentionError` for a QwenImage mask it cannot map: under
+    ``anything`` (``TemplatedUlyssesAnythingAttention``, whose ranks may hold shards of different lengths that
+    no rank knows of the others) every such mask that masks something."""
     degree = getattr(getattr(config, "context_parallel_config", None), "ulysses_degree", 1)
     if not isinstance(degree, int) or degree <= 1:
         return attn_mask
@@ -185,6 +193,11 @@ def in_kv_order(attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
         return attn_mask
     text_local = _text_len_local(frame)
     del frame  # a frame kept alive (by a refusal's traceback) keeps the processor's tensors alive
+    if anything:
+        if _masks_something(attn_mask):
+            layout = f"a mask {tuple(attn_mask.shape)} of ulysses_anything attention, whose shards may differ in length"
+            raise UnsafeAttentionError(MESSAGE.format(degree=degree, layout=layout) + ANYTHING_WAY_OUT)
+        return attn_mask
     problem = _layout_problem(attn_mask, query, key, degree, text_local)
     if problem is None and text_local is not None:
         return _reordered(attn_mask, text_local * degree, (key.shape[1] - text_local) * degree, degree)
@@ -234,13 +247,14 @@ def _from_qwen() -> dict[str, Any]:
     return {"degree": _WORLD, "shape": (_BATCH, _SEQ, _HEADS, _DIM), "via": via}
 
 
-def _shipped_gathers(shipped: Any) -> bool | str:
-    """Whether diffusers' own forward (the innermost, run with stand-in collectives) gathers a sequence-local
-    mask before the op (False where it hands the op the very mask it got); a text if it cannot be run."""
+def _shipped_gathers(shipped: Any, stand_ins: dict[str, Any] | None = None) -> bool | str:
+    """Whether diffusers' own forward (the innermost, run with stand-in collectives: ``stand_ins``, default
+    Ulysses') gathers a sequence-local mask before the op (False where it hands the op the very mask it got); a
+    text if it cannot be run."""
     if not isinstance(shipped, types.FunctionType):
         return f"the innermost forward is a {type(shipped).__name__}, not a function"
     mask = _padded_local_mask()
-    reached = _detect.op_reached(shipped, shipped, mask, **_from_qwen())
+    reached = _detect.op_reached(shipped, shipped, mask, stand_ins=stand_ins, **_from_qwen())
     if isinstance(reached, str):
         return reached
     if reached.mask is mask:
@@ -250,28 +264,39 @@ def _shipped_gathers(shipped: Any) -> bool | str:
     return f"the op got {getattr(reached.mask, 'shape', reached.mask)} for a local mask of {_SEQ} positions"
 
 
-def check(lookup: Lookup) -> Finding:
-    forward = lookup(TARGET)
-    if forward is None:
-        return Finding("absent", "this diffusers has no TemplatedUlyssesAttention")
-    shipped = shipped_of(lookup, TARGET)
-    gathers = _shipped_gathers(shipped)
+def _check_forward(lookup: Lookup, target: str, stand_ins: dict[str, Any] | None) -> Finding:
+    """The check of one Ulysses forward (``target``: the plain class's or the ``anything`` class's)."""
+    forward, name = lookup(target), target.partition(".")[0]
+    gathers = _shipped_gathers(shipped_of(lookup, target), stand_ins)
     if isinstance(gathers, str):
-        return Finding("unknown", f"the Ulysses forward could not be run in one process ({gathers})")
+        return Finding("unknown", f"{name}'s forward could not be run in one process ({gathers})")
     if gathers:
-        return Finding("ok", "Ulysses gathers a sequence-local mask into the K/V's order before the op")
+        return Finding("ok", f"{name} gathers a sequence-local mask into the K/V's order before the op")
     # diffusers' forward hands the op the mask as it came: what reaches it from QwenImage's processor?
     mask, expected = _padded_global_mask()
     try:
         entering = _detect.mask_entering(forward, mask, passes=(UnsafeAttentionError,), **_from_qwen())
     except UnsafeAttentionError:
-        return Finding("ok", "QwenImage's joint mask, which Ulysses would hand on in another token order, is refused")
+        return Finding("ok", f"QwenImage's joint mask, which {name} would hand on in another token order, is refused")
     if isinstance(entering, str):
-        return Finding("unknown", f"the Ulysses forward could not be run in one process ({entering})")
+        return Finding("unknown", f"{name}'s forward could not be run in one process ({entering})")
     if entering.shape == expected.shape and torch.equal(entering, expected):
-        return Finding("ok", "QwenImage's joint mask reaches Ulysses in the K/V's rank order")
+        return Finding("ok", f"QwenImage's joint mask reaches {name} in the K/V's rank order")
     return Finding(
         "broken",
-        "Ulysses hands the attention op QwenImage's joint mask in the global token order [text, image], while "
+        f"{name} hands the attention op QwenImage's joint mask in the global token order [text, image], while "
         "the K/V arrive in rank order [text_0, image_0, text_1, ...]",
     )
+
+
+def check(lookup: Lookup) -> Finding:
+    if lookup(TARGET) is None:
+        return Finding("absent", "this diffusers has no TemplatedUlyssesAttention")
+    findings = [_check_forward(lookup, TARGET, None)]
+    if lookup(ANYTHING) is not None:  # 0.37.0 on
+        findings.append(_check_forward(lookup, ANYTHING, _detect.ULYSSES_ANYTHING_STAND_INS))
+    for state in ("broken", "unknown"):
+        found = [f for f in findings if f.state == state]
+        if found:
+            return Finding(state, "; ".join(f.detail for f in found))
+    return Finding("ok", "; ".join(f.detail for f in findings))

@@ -3,7 +3,8 @@
 Each is built once from the set of fixes found broken; each fix found broken adds its policy, a plain
 function named in the comments below, at its place in the one call:
 
-forward: probe trigger and compile refusal (:func:`entering`) -> autocast cast -> ``cudnn_input_dtypes``
+forward: a call diffusers' op refuses itself (``enable_gqa``) goes to it untouched, so that its own error
+surfaces -> probe trigger and compile refusal (:func:`entering`) -> autocast cast -> ``cudnn_input_dtypes``
 (:func:`refuse_unsupported_dtypes`) -> ``cudnn_bool_mask`` (:func:`mask_policy`, then the key-padding trim,
 ``_key_padding.trim``) -> [a new step on the mask the kernel gets goes here] -> ``cudnn_forward_lse``
 (:func:`corrected_forward`, else diffusers' op).
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .._detect import CUDNN_FORWARD, REFUSES_GQA, refuses_gqa
 from .._fix import Lookup
 from .._key_padding import RESTORES, restored, trim
 from .._layout import entering, realigned, realigned_all
@@ -46,6 +48,7 @@ def forward_op(shipped: Any, broken: frozenset[str]) -> Any:
     dtypes = "cudnn_input_dtypes" in broken
     masks = "cudnn_bool_mask" in broken
     guarded = dtypes or masks
+    gqa_refused = refuses_gqa(shipped, CUDNN_FORWARD)
 
     def cudnn_attention_forward_op(
         ctx: Any,
@@ -61,6 +64,11 @@ def forward_op(shipped: Any, broken: frozenset[str]) -> Any:
         _save_ctx: bool = True,
         _parallel_config: Any = None,
     ) -> Any:
+        if enable_gqa and gqa_refused:  # diffusers' own error for an input it rejects, not one of the guards'
+            return shipped(
+                ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                _save_ctx=_save_ctx, _parallel_config=_parallel_config,
+            )  # fmt: skip
         entering(query)
         if guarded:
             # Under autocast, q/k/v in the autocast dtype, as F.scaled_dot_product_attention's autocast rule casts
@@ -97,6 +105,7 @@ def forward_op(shipped: Any, broken: frozenset[str]) -> Any:
     )
     if masks:
         cudnn_attention_forward_op.mask_policy = mask_policy  # type: ignore[attr-defined]  # for Ulysses' replacement
+    setattr(cudnn_attention_forward_op, REFUSES_GQA, gqa_refused)
     # Only the corrected forward hands the kernel strided views where the GPU probe verified them.
     cudnn_attention_forward_op.zero_copy = correct  # type: ignore[attr-defined]
     return cudnn_attention_forward_op

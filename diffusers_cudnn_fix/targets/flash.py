@@ -1,7 +1,10 @@
 """The one replacement of diffusers' native-flash forward op and the one of its backward op.
 
-forward: ``flash_input_alignment`` (probe trigger, compile refusal, q/k/v on 16 bytes) -> diffusers' op.
+forward: a call diffusers' op refuses itself (``enable_gqa``) goes to it untouched -> ``flash_input_alignment``
+(probe trigger, compile refusal, q/k/v on 16 bytes) -> diffusers' op.
 backward: ``flash_backward_kv`` (:func:`corrected_backward`).
+the ``_native_flash`` backend's registry entry (0.36.0): a call diffusers refuses itself (``return_lse``) goes to
+it untouched -> ``flash_cp_ignored`` (:func:`refuse_context_parallel`) -> diffusers' backend.
 """
 
 from __future__ import annotations
@@ -11,13 +14,18 @@ from typing import Any
 
 import torch
 
+from .._detect import FLASH_FORWARD as FLASH_KERNEL
+from .._detect import REFUSES_GQA, refuses_gqa
 from .._fix import Lookup
 from .._layout import entering, realigned_all
-from ..fixes import FLASH_BACKWARD, FLASH_FORWARD
+from ..fixes import FLASH_BACKEND, FLASH_BACKWARD, FLASH_FORWARD
 from ..fixes.flash_backward_kv import corrected_backward
+from ..fixes.flash_cp_ignored import refuse_context_parallel, refuses_return_lse
 from .ring import STEPS_ATTR
 
-POLICIES = frozenset({"flash_input_alignment", "flash_backward_kv"})
+POLICIES = frozenset({"flash_input_alignment", "flash_backward_kv", "flash_cp_ignored"})
+#: ``enable_gqa``'s position among the forward op's arguments after q, k, v (mask, dropout, causal, scale, gqa).
+_GQA_AFTER_V = 4
 
 
 def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
@@ -27,18 +35,46 @@ def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
     if "flash_backward_kv" in broken:
         built[FLASH_BACKWARD] = corrected_backward
         setattr(corrected_backward, STEPS_ATTR, ("_native_flash", "saved"))
+    if "flash_cp_ignored" in broken:
+        built[FLASH_BACKEND] = guarded_backend(shipped(FLASH_BACKEND))
     return built
 
 
 def aligned_forward(shipped: Any) -> Any:
     """``shipped`` (the flash forward op) handed q/k/v on 16 bytes; its signature is the shipped op's."""
+    gqa_refused = refuses_gqa(shipped, FLASH_KERNEL)
 
     def native_flash_attention_forward_op(
         ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
     ) -> Any:
+        if gqa_refused and kwargs.get("enable_gqa", len(args) > _GQA_AFTER_V and args[_GQA_AFTER_V]):
+            return shipped(ctx, query, key, value, *args, **kwargs)  # diffusers' own error for an input it rejects
         entering(query)  # where the GPU probe first runs for users of the flash backend only
         return shipped(ctx, *realigned_all(query, key, value), *args, **kwargs)
 
     native_flash_attention_forward_op.__doc__ = "diffusers' native-flash forward op, handed q/k/v on 16 bytes."
+    setattr(native_flash_attention_forward_op, REFUSES_GQA, gqa_refused)
     native_flash_attention_forward_op.__signature__ = inspect.signature(shipped)  # type: ignore[attr-defined]
     return native_flash_attention_forward_op
+
+
+def guarded_backend(shipped: Any) -> Any:
+    """``shipped`` (diffusers' ``_native_flash`` backend function, which ignores its context-parallel config)
+    refusing a context-parallel call; its signature is the shipped function's."""
+    params = list(inspect.signature(shipped).parameters)
+    config_at, lse_at = params.index("_parallel_config"), params.index("return_lse")
+    lse_refused = refuses_return_lse(shipped)
+
+    def native_flash_attention(*args: Any, _shipped: Any = shipped, **kwargs: Any) -> Any:
+        config = kwargs["_parallel_config"] if "_parallel_config" in kwargs else None
+        if config is None and len(args) > config_at:
+            config = args[config_at]
+        if config is not None:
+            lse = kwargs["return_lse"] if "return_lse" in kwargs else len(args) > lse_at and args[lse_at]
+            if not (lse and lse_refused):  # diffusers' own error for return_lse, not the guard's
+                refuse_context_parallel(config)
+        return _shipped(*args, **kwargs)
+
+    native_flash_attention.__doc__ = "diffusers' _native_flash backend, refusing context parallelism it ignores."
+    native_flash_attention.__signature__ = inspect.signature(shipped)  # type: ignore[attr-defined]
+    return native_flash_attention
