@@ -101,8 +101,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Wait for the preloaded interpreter of this process (``releases.run(preloaded=True)``), so that the CPU
-    time of the runs it forked counts in this process's (each pytest-xdist worker has its own)."""
+    time of the runs it forked counts in this process's (each pytest-xdist worker has its own).
+
+    Also removes the folder torch < 2.6 makes at the import of ``torch.distributed.nn.jit.instantiator`` (which
+    diffusers imports) and leaves to its finalizer, which says "ResourceWarning: Implicitly cleaning up" at exit.
+    """
     close_preloaded()
+    instantiator = sys.modules.get("torch.distributed.nn.jit.instantiator")
+    folder = getattr(instantiator, "_TEMP_DIR", None)
+    if folder is not None and hasattr(folder, "cleanup"):
+        folder.cleanup()
 
 
 @pytest.fixture(scope="session", autouse=True)
