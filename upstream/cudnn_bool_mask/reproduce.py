@@ -63,7 +63,7 @@ def _cudnn_backward(grad_out, query, key, value, out, logsumexp, philox_seed, ph
     grad_probs = do @ v.transpose(-2, -1)
     grad_scores = probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True))
     grads = (grad_scores @ k * scale, grad_scores.transpose(-2, -1) @ q * scale, probs.transpose(-2, -1) @ do)
-    return tuple(g.to(x.dtype) for g, x in zip(grads, (query, key, value)))
+    return tuple(g.to(x.dtype) for g, x in zip(grads, (query, key, value), strict=True))
 
 
 def _register_cpu_kernels():
@@ -100,7 +100,7 @@ def _errors(attention, q, k, v, grad_out, mask, ref_mask):
     ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in refs), attn_mask=ref_mask).transpose(1, 2)
     ref_grads = torch.autograd.grad(ref, refs, grad_out.float())
     got, want = [out, *grads], [ref, *ref_grads]
-    return {n: (a.float() - b).abs().max().item() for n, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
+    return {n: (a.float() - b).abs().max().item() for n, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True)}
 
 
 def main():
@@ -126,7 +126,7 @@ def main():
         seen_bias.clear()
         try:
             errors = _errors(attention, q, k, v, grad_out, mask, keep)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - reported, exit 2
             print(f"  {label}: could not run: {type(exc).__name__}: {exc}")
             return 2
         text = ", ".join(f"{n} {e:.3f}" for n, e in errors.items())

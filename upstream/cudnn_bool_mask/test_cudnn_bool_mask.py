@@ -5,10 +5,8 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from diffusers.models.attention_dispatch import _cudnn_attention_backward_op, _cudnn_attention_forward_op
-
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # What `_cudnn_attention_forward_op` reads from the parallel config inside context parallelism (world size 2).
 _CP_CONFIG = types.SimpleNamespace(context_parallel_config=types.SimpleNamespace(_world_size=2))
@@ -36,7 +34,7 @@ class _RecordAttentionOps(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name not in self.OPS:
             return func(*args, **kwargs)
-        self.calls[name] = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
+        self.calls[name] = {**dict(zip((a.name for a in func._schema.arguments), args, strict=False)), **kwargs}
         to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
         outputs = func(*(to_meta(x) for x in args), **{k: to_meta(x) for k, x in kwargs.items()})
         return tuple(torch.zeros(x.shape, dtype=x.dtype) if isinstance(x, torch.Tensor) else x for x in outputs)
@@ -91,5 +89,5 @@ def test_cudnn_cp_op_bool_mask_matches_sdpa():
     refs = [x.float().requires_grad_(True) for x in (query, key, value)]
     ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in refs), attn_mask=keep).transpose(1, 2)
     ref_grads = torch.autograd.grad(ref, refs, grad_out.float())
-    for got, want in zip((out, *grads), (ref, *ref_grads)):
+    for got, want in zip((out, *grads), (ref, *ref_grads), strict=True):
         torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)

@@ -85,7 +85,7 @@ def _worker(rank, world_size, port, results):
             name: ((got - refs[name][:, shard]).norm() / refs[name][:, shard].norm()).item()
             for name, got in errors.items()
         }
-    except Exception as exc:  # reported by the parent
+    except Exception as exc:  # noqa: BLE001 - reported by the parent
         results[rank] = f"{type(exc).__name__}: {exc}"
     finally:
         dist.destroy_process_group()
@@ -97,7 +97,7 @@ def main():
     world_size = parser.parse_args().ring_degree
 
     import diffusers
-    import diffusers.models.attention_dispatch  # noqa: F401  (imported once, before the ranks fork)
+    import diffusers.models.attention_dispatch  # imported once, before the ranks fork
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
 from diffusers.models.attention_dispatch import TemplatedRingAttention
 
@@ -78,7 +77,7 @@ def _ring_backward_parity_worker(rank, world_size, master_port, return_dict):
         out.backward(grad_out[:, shard])
 
         rel_errs = {}
-        for name, got, ref in zip(("dq", "dk", "dv"), (qs.grad, ks.grad, vs.grad), ref_grads):
+        for name, got, ref in zip(("dq", "dk", "dv"), (qs.grad, ks.grad, vs.grad), ref_grads, strict=True):
             rel_errs[name] = ((got - ref[:, shard]).norm() / ref[:, shard].norm()).item()
         return_dict[rank] = rel_errs
     finally:
