@@ -90,9 +90,8 @@ def main():
         print(f"ok: a mask that requires grad is refused: ValueError: {result['refused']}")
         return 0
     if result["grad"] is None:
-        print(
-            f"BUG: attn_mask.grad is None after backward (single-process reference: max |grad| {result['reference']:.3f})"
-        )
+        reference = result["reference"]
+        print(f"BUG: attn_mask.grad is None after backward (single-process reference: max |grad| {reference:.3f})")
         return 1
     if result["grad"] > 1e-4:
         print(f"BUG: attn_mask.grad is wrong: max abs error {result['grad']:.3e}")
