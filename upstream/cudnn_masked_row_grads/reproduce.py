@@ -23,9 +23,10 @@ import types
 import torch
 import torch.nn.functional as F
 
-# Relative error (max abs error / max abs of the reference) above which a gradient counts as wrong; correct
-# bf16 results are about 1e-2 off.
-TOLERANCE = 0.1
+# Max abs error above which a gradient counts as wrong, relative to max(1, max |reference|): with one key position
+# the exact dQ and dK are 0 (the softmax over one key is constant), so a plain relative error would divide by 0.
+# Correct bf16 results are about 1e-2 off; the fault gives errors of 1 to 30 (H200).
+TOLERANCE = 0.05
 B, H, D = 1, 2, 64
 
 
@@ -110,13 +111,13 @@ def main():
                     print(f"  {label:26} {dtype!s:14} S_q={s_q:2}: not run ({str(exc).splitlines()[0][:80]})")
                     continue
                 rel = [
-                    ((a.float() - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+                    ((a.float() - b).abs().max() / b.abs().max().clamp_min(1.0)).item()
                     for a, b in zip(got, ref, strict=True)
                 ]
                 bad = max(rel[1:]) > TOLERANCE
                 wrong += bad
                 text = ", ".join(f"{n} {e:.3f}" for n, e in zip(("out", "dQ", "dK", "dV"), rel, strict=True))
-                print(f"  {label:26} {dtype!s:14} S_q={s_q:2}: relative error {text}{'  WRONG' if bad else ''}")
+                print(f"  {label:26} {dtype!s:14} S_q={s_q:2}: error {text}{'  WRONG' if bad else ''}")
     if wrong:
         print(f"BUG: {wrong} case(s) with wrong gradients for fully masked rows (tolerance {TOLERANCE})")
         return 1
