@@ -18,6 +18,10 @@
 #                                           # masked rows (each step under its own time limit; DCF_STEPS picks
 #                                           # steps, default all six: "doctor tests stacks random bench
 #                                           # dead_rows", for a device call's 10 minutes)
+#   bash benchmarks/gpu_session.sh upstream  # the upstream patches (upstream/<fix_id>/) without the package, on
+#                                           # 0.42.1 as shipped and patched: each reproducer (on the GPU where it
+#                                           # has one) and each added test (its GPU parts included); about 2 min;
+#                                           # upstream.log and one <fix>-<shipped|patched>.log per run in $OUT
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -27,7 +31,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     $(ls .whl/*.whl | grep -v '/diffusers-') || exit 1
 export PYTHONPATH=/tmp/site
 export DIFFUSERS_WHEELS=$PWD/.whl  # tests/releases.py installs each release from there, offline
-python3 tests/releases.py 0.36.0 0.39.0 0.40.0 0.42.1 >/dev/null || exit 1
+RELEASES="0.36.0 0.39.0 0.40.0 0.42.1"
+[ "${1:-}" = upstream ] && RELEASES=0.42.1  # the upstream mode needs (and carries the wheel of) 0.42.1 only
+python3 tests/releases.py $RELEASES >/dev/null || exit 1
 
 # Process groups started by the tests / the random-case runner, ended if a step's time limit stops its parent.
 export DCF_PGID_FILE=/tmp/dcf-pgids
@@ -158,6 +164,41 @@ verify)
         >"$OUT/gpu-session.log" 2>&1
     step verify "${DCF_VERIFY_LIMIT:-480}" env DIFFUSERS_CUDNN_FIX_RESULTS=$OUT \
         python3 -m pytest tests/test_gpu_verify.py -q -p no:cacheprovider -rfEs 2>&1 | tee "$OUT/gpu-verify-tests.log"
+    ;;
+upstream)
+    # .ci/upstream's checks on the GPU, one reproducer or test per process (a misaligned flash call ends the
+    # process's CUDA context): exit status 1 expected as shipped, 0 patched; cudnn_masked_row_grads' reproducer is
+    # the kernel's own (PyTorch only: exit 1 wherever the fault is, patched or not), its --through-diffusers run and
+    # its test are diffusers' workaround.
+    python3 -c "import torch; print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version())" \
+        >"$OUT/upstream.log" 2>&1
+    SHIPPED=$PWD/.cache/diffusers/0.42.1
+    printf '[pytest]\naddopts = -p no:cacheprovider -rs\n' >/tmp/upstream-pytest.ini
+    for fix in cudnn_bool_mask flash_input_alignment cudnn_input_dtypes cudnn_masked_row_grads ring_grad_route \
+        ulysses_mask_grad; do
+        site=/tmp/upstream-site-$fix
+        rm -rf "$site" && mkdir -p "$site" && cp -r "$SHIPPED/diffusers" "$site/"
+        if command -v patch >/dev/null; then patch -s -d "$site" -p1 <"upstream/$fix/fix.patch"; else
+            (cd "$site" && git apply -p1 "$PWD/upstream/$fix/fix.patch"); fi >>"$OUT/upstream.log" 2>&1 \
+            || echo "upstream $fix: the patch does not apply" >>"$OUT/upstream.log"
+        args=()
+        case $fix in cudnn_bool_mask | flash_input_alignment | cudnn_input_dtypes) args=(--device cuda) ;;
+            cudnn_masked_row_grads) args=(--through-diffusers) ;; esac
+        for which in shipped patched; do
+            path=$SHIPPED
+            [ "$which" = patched ] && path=$site
+            log=$OUT/$fix-$which.log
+            step "upstream $fix $which: reproduce.py ${args[*]}" 120 env DIFFUSERS_CUDNN_FIX=0 \
+                PYTHONPATH="$path:$PYTHONPATH" python3 "upstream/$fix/reproduce.py" "${args[@]}" >"$log" 2>&1
+            step "upstream $fix $which: test_$fix.py" 180 env DIFFUSERS_CUDNN_FIX=0 PYTHONPATH="$path:$PYTHONPATH" \
+                python3 -m pytest -q -c /tmp/upstream-pytest.ini --rootdir /tmp "upstream/$fix/test_$fix.py" \
+                >>"$log" 2>&1
+        done
+    done
+    step "upstream cudnn_masked_row_grads: kernel reproducer (PyTorch only)" 120 \
+        python3 upstream/cudnn_masked_row_grads/reproduce.py >"$OUT/cudnn_masked_row_grads-kernel.log" 2>&1
+    grep '^upstream' "$OUT/gpu-session.log" >>"$OUT/upstream.log"
+    cat "$OUT/upstream.log"
     ;;
 references)
     # The reference check counts references with sys.getrefcount: run its tests under this Python too

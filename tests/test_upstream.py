@@ -1,0 +1,83 @@
+"""The upstream patches (``upstream/<fix_id>/``): one per bug still open on the newest release, each standalone.
+
+Cheap checks of what ``.ci/upstream`` relies on (that script runs the reproducers and the added tests, shipped and
+patched, without this package): every fix open on 0.42.1 has its folder with the four files; no file there imports
+this package; each ``fix.patch`` names paths under ``diffusers/`` and applies to 0.42.1 exactly (no fuzz, no
+offset); docs/fixes.md points at each ISSUE.md. Marked slow: all six patches applied to one copy of 0.42.1, which
+must import.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from diffusers_cudnn_fix.fixes import ALL_FIXES
+
+ROOT = Path(__file__).resolve().parents[1]
+UPSTREAM = ROOT / "upstream"
+NEWEST = "0.42.1"
+OPEN = sorted(fix.id for fix in ALL_FIXES if Version(NEWEST) in SpecifierSet(fix.affected))
+FILES = ("reproduce.py", "fix.patch", "test_{id}.py", "ISSUE.md")
+
+
+def _release() -> Path:
+    import releases  # tests/releases.py: installs the release on first use
+
+    return releases.release_dir(NEWEST)
+
+
+def _apply(patch: Path, target: Path, *, dry_run: bool) -> subprocess.CompletedProcess[str]:
+    if shutil.which("patch"):
+        cmd = ["patch", "-p1", "--fuzz=0", "--no-backup-if-mismatch", "-d", str(target), "-i", str(patch)]
+        return subprocess.run([*cmd, *(["--dry-run"] if dry_run else [])], capture_output=True, text=True)
+    cmd = ["git", "apply", "-p1", *(["--check"] if dry_run else []), str(patch)]
+    return subprocess.run(cmd, cwd=target, capture_output=True, text=True)
+
+
+def test_every_fix_open_on_the_newest_release_has_an_upstream_folder() -> None:
+    assert sorted(p.name for p in UPSTREAM.iterdir() if p.is_dir()) == OPEN
+
+
+@pytest.mark.parametrize("fix_id", OPEN)
+def test_upstream_folder_is_standalone(fix_id: str) -> None:
+    folder = UPSTREAM / fix_id
+    for name in FILES:
+        assert (folder / name.format(id=fix_id)).is_file(), f"upstream/{fix_id}/{name.format(id=fix_id)} is missing"
+    for script in folder.glob("*.py"):
+        for node in ast.walk(ast.parse(script.read_text(), str(script))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(n.split(".")[0] == "diffusers_cudnn_fix" for n in names), f"{script} imports the package"
+    patch = (folder / "fix.patch").read_text()
+    headers = [line.split()[1] for line in patch.splitlines() if line.startswith(("--- ", "+++ "))]
+    assert headers and all(h.startswith(("a/diffusers/", "b/diffusers/")) for h in headers), headers
+    assert f"upstream/{fix_id}/ISSUE.md" in (ROOT / "docs" / "fixes.md").read_text()
+
+
+@pytest.mark.parametrize("fix_id", OPEN)
+def test_fix_patch_applies_exactly_to_the_newest_release(fix_id: str) -> None:
+    result = _apply(UPSTREAM / fix_id / "fix.patch", _release(), dry_run=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "offset" not in result.stdout.lower() and "fuzz" not in result.stdout.lower(), result.stdout
+
+
+@pytest.mark.slow
+def test_all_patches_together_apply_and_import(tmp_path: Path) -> None:
+    shutil.copytree(_release() / "diffusers", tmp_path / "diffusers", ignore=shutil.ignore_patterns("__pycache__"))
+    for fix_id in OPEN:
+        result = _apply(UPSTREAM / fix_id / "fix.patch", tmp_path, dry_run=False)
+        assert result.returncode == 0, f"{fix_id}: {result.stdout}{result.stderr}"
+    code = "import diffusers.models.attention_dispatch as m; print(m.__file__)"
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path), "DIFFUSERS_CUDNN_FIX": "0"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().startswith(str(tmp_path))
