@@ -293,6 +293,22 @@ def _stop_on_signals() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
+def _rank_ended(rank: int, status: int | None) -> str:
+    """Why a rank stopped, in words: its exit status, or the signal that killed it."""
+    if status is not None and status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = f"signal {-status}"
+        # Seen on an H200 (torch 2.11): two ranks sharing one GPU over gloo, rank 1 killed by SIGSEGV in the
+        # context-parallel step; gloo's collectives on CUDA tensors are the likely cause.
+        return (
+            f"rank {rank} was killed by {name} (a crash inside the process, not a wrong result); if the ranks "
+            "share a GPU over gloo, run one GPU per rank over NCCL instead"
+        )
+    return f"rank {rank} ended with exit status {status}"
+
+
 def _wait_ranks(
     start: Callable[[int], subprocess.Popen[bytes]], nproc: int, timeout: float
 ) -> tuple[list[int | None], str | None]:
@@ -307,7 +323,7 @@ def _wait_ranks(
         while [p.poll() for p in procs].count(None):  # every rank polled each time (any() would stop early)
             failed = [r for r, p in enumerate(procs) if p.returncode not in (None, EXIT_PASS, EXIT_MISMATCH)]
             if failed and why is None:
-                why = f"rank {failed[0]} ended with exit status {procs[failed[0]].returncode}"
+                why = _rank_ended(failed[0], procs[failed[0]].returncode)
                 deadline = min(deadline, time.monotonic() + GRACE_S)
             if time.monotonic() > deadline:
                 why = why or f"timed out after {timeout:g} s"

@@ -137,13 +137,17 @@ def test_a_world_of_one_is_refused_with_the_way_out() -> None:
     assert "needs at least 2 ranks" in out and "--nproc N" in out
 
 
-@pytest.mark.parametrize("how", ["exit", "hang"])
+@pytest.mark.parametrize("how", ["exit", "crash", "hang"])
 def test_a_failed_rank_does_not_leave_the_others_waiting(how: str) -> None:
     args = ("--nproc", "2", "--timeout", "15", "--preload", "verify_rank_fails")
     code, out, err, wall = verify("0.39.0", *args, env={"VERIFY_TEST_FAIL": how}, timeout=120)
     assert code == 2, f"{out}\n{err}"
     assert "COULD NOT RUN" in out
-    said = "rank 1 ended with exit status 3" if how == "exit" else "timed out after 15 s"
+    said = {
+        "exit": "rank 1 ended with exit status 3",
+        "crash": "rank 1 was killed by SIGSEGV (a crash inside the process, not a wrong result)",
+        "hang": "timed out after 15 s",
+    }[how]
     assert said in err and "stopped rank(s) 0" in err
     assert wall < 45  # the hang: the 15 s deadline; the exit: GRACE_S (10 s) after it
 
