@@ -175,6 +175,18 @@ def _needs(fixes: list[dict[str, Any]], live: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _upstream(shipped_check: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Per fix found broken in the shipped code that has an upstream folder (``upstream/<id>/``, in the source
+    tree: the wheel does not carry it): its ISSUE.md and what the folder holds."""
+    from .fixes import ALL_FIXES
+
+    return {
+        fix.id: {"issue": fix.upstream_folder, "holds": fix.upstream_issue}
+        for fix in ALL_FIXES
+        if fix.upstream_folder is not None and fix.upstream_issue is not None and shipped_check.get(fix.id) == "broken"
+    }
+
+
 def collect(run_gpu: bool = True, require_gpu: bool = False) -> tuple[dict[str, Any], int]:
     """Everything the doctor shows, as data, and the exit status. Where everything needed is active and this
     machine has no GPU, the doctor did all it could: exit status 0, its verdict saying "not verified on a GPU"
@@ -207,6 +219,7 @@ def collect(run_gpu: bool = True, require_gpu: bool = False) -> tuple[dict[str, 
         data["check_after_patching"] = {}
     data["status"] = report.to_dict()
     data.update(_needs(data["status"]["fixes"], live))
+    data["upstream"] = _upstream(data["shipped_check"])
     verified = data["nothing_to_fix"] or "shipped_vs_corrected" in data  # nothing to verify, or verified on a GPU
     no_gpu_here = data["environment"]["gpu"] is None
     code = EXIT_NOT_SAFE if not report.ok else (EXIT_OK if verified else EXIT_UNVERIFIED)
@@ -343,6 +356,8 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
             print(_wrap(note(), "      "))
         if verbose or outcome in ("NOT FIXED", f["detected"]):  # the result does not say why: the reason does
             print(_wrap(f"why: {f['reason']}", "      "))
+        if (upstream := data["upstream"].get(f["id"])) is not None:  # the bug is open: where to fix it upstream
+            print(_wrap(f"upstream: {upstream['issue']} in this package's source tree ({upstream['holds']})", "      "))
     for ref in status["stale_references"]:
         print(_wrap(f"still holds a shipped function: {ref}", "  "))
 

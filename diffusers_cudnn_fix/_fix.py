@@ -60,6 +60,9 @@ class Fix:
         old_ids: ids this fix had in earlier versions, still accepted by ``DIFFUSERS_CUDNN_FIX_SKIP``.
         checked_after: fixes whose replacements this check must see (ring_grad_route's check finds
             ring_backward's corrected ring right): it runs on those replacements instead of the shipped code.
+        upstream_issue: where the source tree has ``upstream/<id>/`` (ISSUE.md, reproducer, fix.patch, test: a
+            bug still open on the newest release), what that folder proposes, in a few words, for the doctor's
+            pointer to it; None where it has none.
     """
 
     id: str
@@ -72,6 +75,12 @@ class Fix:
     only_for: str = ""
     old_ids: tuple[str, ...] = ()
     checked_after: tuple[str, ...] = ()
+    upstream_issue: str | None = None
+
+    @property
+    def upstream_folder(self) -> str | None:
+        """``upstream/<id>/ISSUE.md`` (in the source tree, not the wheel) where the fix has one, else None."""
+        return None if self.upstream_issue is None else f"upstream/{self.id}/ISSUE.md"
 
 
 def release_table_lists(specifier: str, version: str | None) -> bool | None:

@@ -318,3 +318,24 @@ def test_a_correction_for_some_runs_only_counts_where_its_check_is_not_sure() ->
     assert broken["needed_only_for"] == {conditional.id: conditional.only_for}, broken
     unknown = needs("unknown")
     assert unknown["no_gradient_correction_needed"] is False, unknown
+
+
+def test_where_a_bug_is_open_the_doctor_points_at_its_upstream_folder() -> None:
+    """0.42.1 as shipped: each fix found broken that has ``upstream/<id>/`` gets a line naming its ISSUE.md (the
+    source tree's: the wheel does not carry it), in the text and in --json; a fix found fixed gets none."""
+    from diffusers_cudnn_fix.fixes import ALL_FIXES
+
+    result = doctor("0.42.1")
+    data, text = json.loads(result["json"]["text"]), result["text"]["text"]
+    assert "upstream/cudnn_bool_mask/ISSUE.md in this package's source tree" in text, text
+    assert "huggingface/diffusers#14342" in _words(text), text
+    with_folder = {fix.id for fix in ALL_FIXES if fix.upstream_issue is not None}
+    broken = {i for i, state in data["shipped_check"].items() if state == "broken"}
+    assert set(data["upstream"]) == with_folder & broken and "cudnn_bool_mask" in data["upstream"], data["upstream"]
+    for fix_id, upstream in data["upstream"].items():
+        assert upstream["issue"] == f"upstream/{fix_id}/ISSUE.md", upstream
+        assert _words(f"upstream: {upstream['issue']} in this package's source tree ({upstream['holds']})") in _words(
+            text
+        ), fix_id
+    assert "kernel fault" in data["upstream"]["cudnn_masked_row_grads"]["holds"]
+    assert_aligned(_fix_table(text))

@@ -36,7 +36,11 @@ def _mask_note() -> str:
     return f"mask mode {mode}: {MODE_EFFECTS[mode]}"
 
 
-#: Fix(id, title, upstream, affected releases, targets, kind="correction", note, only_for, old_ids, checked_after)
+#: What an upstream folder (``upstream/<id>/``) holds, for the doctor's pointer to it (Fix.upstream_issue).
+PATCH_FOR_DIFFUSERS = "reproducer, fix.patch, test"
+
+#: Fix(id, title, upstream, affected releases, targets, kind="correction", note, only_for, old_ids, checked_after,
+#: upstream_issue)
 ALL_FIXES: tuple[Fix, ...] = (
     Fix("cudnn_forward_lse", "cuDNN forward op computes no log-sum-exp on the context-parallel training path",
         PR_14274, ">=0.36.0,<0.40.0", (CUDNN_FORWARD,)),
@@ -47,25 +51,29 @@ ALL_FIXES: tuple[Fix, ...] = (
     Fix("ulysses_grad_count", "Ulysses backward returns one gradient fewer than the forward has inputs",
         PR_14274, ">=0.36.0,<0.37.0", (ULYSSES_BACKWARD,)),
     Fix("ulysses_mask_grad", "Ulysses context parallelism gives a mask that requires grad no gradient, silently",
-        "not reported upstream as of diffusers 0.42.1", ">=0.36.0", (ULYSSES_FORWARD,), "guard"),
+        "not reported upstream as of diffusers 0.42.1", ">=0.36.0", (ULYSSES_FORWARD,), "guard",
+        upstream_issue=PATCH_FOR_DIFFUSERS),
     Fix("cudnn_bool_mask", "bool or wrongly typed attention masks are read as an additive bias by the cuDNN CP op",
         "https://github.com/huggingface/diffusers/issues/14342", ">=0.36.0",
         (CUDNN_FORWARD, ULYSSES_FORWARD, ULYSSES_ANYTHING_FORWARD), "guard",
-        note=_mask_note),
+        note=_mask_note, upstream_issue=f"{PATCH_FOR_DIFFUSERS}; huggingface/diffusers#14342"),
     Fix("cudnn_input_dtypes", "fp32 or mixed-dtype q/k/v are accepted by the raw cuDNN op and give garbage",
         "none filed yet: aten::_scaled_dot_product_cudnn_attention checks no dtype", ">=0.36.0", (CUDNN_FORWARD,),
-        "guard", old_ids=("cudnn_fp32_inputs",)),
+        "guard", old_ids=("cudnn_fp32_inputs",), upstream_issue=PATCH_FOR_DIFFUSERS),
     Fix("cudnn_masked_row_grads",
         "cuDNN's backward gets fully masked query rows wrong when there is one key/value position",
         "none known: a fault of aten::_scaled_dot_product_cudnn_attention_backward (cuDNN 9.19)", ">=0.36.0",
-        (CUDNN_BACKWARD,), "guard"),
+        (CUDNN_BACKWARD,), "guard",
+        upstream_issue="a cuDNN kernel fault: its PyTorch-level reproducer, and fix.patch, the workaround diffusers "
+        "could carry"),
     Fix("flash_cp_ignored",
         "0.36.0's _native_flash backend ignores context parallelism: each rank attends to its own shard, silently",
         "not reported upstream; 0.37.0 runs the backend through context-parallel attention", ">=0.36.0,<0.37.0",
         (FLASH_BACKEND,), "guard"),
     Fix("flash_input_alignment",
         "the native-flash CP forward hands the flash kernel q/k/v off 16 bytes (misaligned address on a GPU)",
-        "not reported upstream as of diffusers 0.42.1", ">=0.37.0", (FLASH_FORWARD,), "guard"),
+        "not reported upstream as of diffusers 0.42.1", ">=0.37.0", (FLASH_FORWARD,), "guard",
+        upstream_issue=PATCH_FOR_DIFFUSERS),
     Fix("qwen_joint_mask_order",
         "QwenImage's joint mask meets Ulysses' K/V in another token order: padded prompts train wrong",
         "fixed in diffusers 0.39.0 (the plan shards the mask; Ulysses all-gathers it)", ">=0.36.0,<0.39.0",
@@ -74,5 +82,6 @@ ALL_FIXES: tuple[Fix, ...] = (
         PR_14274, ">=0.36.0,<0.40.0", (RING_FORWARD, RING_BACKWARD)),
     Fix("ring_grad_route", "ring attention's backward routes the K/V gradients wrong from ring degree 3",
         PR_14274, ">=0.40.0", (RING_FORWARD, RING_BACKWARD),
-        only_for="ring attention at ring_degree >= 3, or with a mask or dropout", checked_after=("ring_backward",)),
+        only_for="ring attention at ring_degree >= 3, or with a mask or dropout", checked_after=("ring_backward",),
+        upstream_issue=PATCH_FOR_DIFFUSERS),
 )  # fmt: skip
