@@ -575,6 +575,32 @@ def mask_entering(
     return "the forward returned without asking for its process group"
 
 
+class ReachedGather(Exception):
+    """Raised by :func:`mask_gathered`'s stand-in all-gather, with the tensor it was handed."""
+
+    def __init__(self, tensor: Any) -> None:
+        super().__init__("the all-gather was reached")
+        self.tensor = tensor
+
+
+def _reach_gather(out: list[torch.Tensor], tensor: torch.Tensor, group: Any = None) -> None:
+    raise ReachedGather(tensor)
+
+
+def mask_gathered(forward: Any, shipped: Any, mask: torch.Tensor, *, stand_ins: dict[str, Any], **call: Any) -> Any:
+    """The tensor diffusers' Ulysses forward ``shipped`` (or ``forward``, a replacement calling it) all-gathers when
+    called with ``mask`` (:func:`call_ulysses` on :data:`FAKE_MESH` with ``call``; collectives: ``stand_ins``, whose
+    ``dist.all_gather`` is replaced by one that stops there); else a text saying what happened instead."""
+    dist = types.SimpleNamespace(**{**vars(stand_ins["dist"]), "all_gather": _reach_gather})
+    try:
+        call_ulysses(with_stand_ins(forward, shipped, **{**stand_ins, "dist": dist}), mask, FAKE_MESH, **call)
+    except ReachedGather as reached:
+        return reached.tensor
+    except Exception as exc:  # noqa: BLE001 - a refusal, or an unknown build: the caller decides
+        return f"{type(exc).__name__}: {exc}"
+    return "the forward returned without all-gathering the mask"
+
+
 def op_reached(
     forward: Any, shipped: Any, mask: torch.Tensor, *, stand_ins: dict[str, Any] | None = None, **call: Any
 ) -> ReachedOp | str:

@@ -95,11 +95,13 @@ def test_the_fix_records_name_the_upstream_folders() -> None:
 
 #: The fixes whose bug is in diffusers' Python code (the other one, cudnn_masked_row_grads, is a cuDNN kernel fault
 #: whose fix.patch is the workaround diffusers could carry).
-PYTHON_LEVEL = ("ring_grad_route", "flash_input_alignment", "cudnn_input_dtypes", "ulysses_mask_grad")
-#: Found broken even with all six patches: upstream/cudnn_bool_mask/fix.patch converts the mask in the cuDNN op, but
-#: Ulysses (0.39+) all-gathers a bool mask before it, which torch.compile mistypes; that patch leaves this out (its
-#: ISSUE.md, "Related, not in this patch"), the package's guard does not.
-STILL_GUARDED = "cudnn_bool_mask"
+PYTHON_LEVEL = (
+    "cudnn_bool_mask",
+    "ring_grad_route",
+    "flash_input_alignment",
+    "cudnn_input_dtypes",
+    "ulysses_mask_grad",
+)
 
 STATUS = """
 import json, diffusers_cudnn_fix, diffusers.models.attention_dispatch
@@ -110,41 +112,29 @@ print(json.dumps(diffusers_cudnn_fix.status().to_dict()))
 @pytest.mark.slow
 def test_on_the_patched_release_the_checks_find_the_bugs_fixed(tmp_path: Path) -> None:
     """All six patches applied to a copy of 0.42.1: each fix's check finds its bug gone by behaviour (the version
-    string still says 0.42.1), nothing is applied for it and the doctor points at no upstream folder for it."""
+    string still says 0.42.1), nothing is applied for it and the doctor points at no upstream folder for it; with
+    nothing left to fix, its advice is that the package can be removed (#32). cudnn_bool_mask included: its patch
+    converts the mask before Ulysses all-gathers it (torch.compile mistypes a gathered bool tensor)."""
     shutil.copytree(_release() / "diffusers", tmp_path / "diffusers", ignore=shutil.ignore_patterns("__pycache__"))
     for fix_id in OPEN:
         result = _apply(UPSTREAM / fix_id / "fix.patch", tmp_path, dry_run=False)
         assert result.returncode == 0, f"{fix_id}: {result.stdout}{result.stderr}"
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{tmp_path}:{ROOT}", "PYTHONWARNINGS": "ignore"}
 
-    def run(*args: str) -> dict:
+    def run(*args: str) -> str:
         proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300)
         assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr)
-        return json.loads(proc.stdout)
+        return proc.stdout
 
-    doctor = run("-m", "diffusers_cudnn_fix", "--json", "--no-gpu")
-    status = run("-c", STATUS)
+    doctor = json.loads(run("-m", "diffusers_cudnn_fix", "--json", "--no-gpu"))
+    status = json.loads(run("-c", STATUS))
     assert status["diffusers_version"] == NEWEST and status["ok"] is True, status
     fixes = {f["id"]: f for f in status["fixes"]}
     for fix_id in (*PYTHON_LEVEL, "cudnn_masked_row_grads"):
         assert fixes[fix_id]["detected"] == "ok" and not fixes[fix_id]["applied"], fixes[fix_id]
         assert doctor["shipped_check"][fix_id] == "ok", (fix_id, doctor["shipped_check"])
-        assert fix_id not in doctor["upstream"], doctor["upstream"]
-    # The honest outcome for the bool mask (see STILL_GUARDED): the op takes any mask right now, what is left is the
-    # mask entering Ulysses; so it stays the one guard, the doctor's advice says so and points at its ISSUE.md.
-    assert fixes[STILL_GUARDED]["detected"] == "broken", fixes[STILL_GUARDED]
-    live = run("-c", CHECK_BOOL_MASK)
-    assert "enters diffusers' TemplatedUlyssesAttention as torch.bool" in live["detail"], live
-    assert doctor["applied"] == doctor["active_guards"] == [STILL_GUARDED], doctor
-    assert doctor["no_gradient_correction_needed"] is True and doctor["exit_status"] == 0, doctor
-    assert list(doctor["upstream"]) == [STILL_GUARDED], doctor["upstream"]
-
-
-#: cudnn_bool_mask's check on what diffusers shipped (here: the patched copy), with its evidence.
-CHECK_BOOL_MASK = """
-import dataclasses, json
-import diffusers.models.attention_dispatch as module
-from diffusers_cudnn_fix import _registry
-from diffusers_cudnn_fix.fixes import cudnn_bool_mask
-print(json.dumps(dataclasses.asdict(cudnn_bool_mask.check(_registry.Objects(module)))))
-"""
+    assert doctor["applied"] == doctor["active_guards"] == [], doctor
+    assert doctor["upstream"] == {}, doctor["upstream"]
+    assert doctor["nothing_to_fix"] is True and doctor["exit_status"] == 0, doctor
+    advice = " ".join(run("-m", "diffusers_cudnn_fix", "--no-gpu").split())
+    assert f"Nothing to fix here: diffusers {NEWEST} needs none of this package's fixes. You do not need it" in advice

@@ -2,7 +2,8 @@
 
 Bug: the kernel reads the mask's memory as q's dtype: a bool mask out of bounds, an fp32 mask against bf16 q
 as garbage, an integer 0/1 mask as +0/+1. Every release with the op, 0.36.0 up to at least 0.42.1 (#14342).
-Detection: bool, fp32 and integer masks: what bias reaches the kernels, and what mask enters Ulysses.
+Detection: bool, fp32 and integer masks: what bias reaches the kernels, and what mask enters Ulysses (or, where
+diffusers converts it itself, what mask its Ulysses all-gathers).
 The package: :func:`mask_policy` by mode (``DIFFUSERS_CUDNN_FIX_MASK``, docs/behaviour.md), in the cuDNN
 forward and where the mask enters Ulysses attention (ulysses_anything's too), before it is gathered (docs/fixes.md).
 """
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from .. import _detect, _switches, _warnings
-from .._fix import Finding, Lookup
+from .._fix import Finding, Lookup, shipped_of
 from .._warnings import MaskConvertedWarning, MaskMisreadWarning, UnsafeAttentionError
 
 TARGET = "_cudnn_attention_forward_op"
@@ -143,14 +144,34 @@ def check(lookup: Lookup) -> Finding:
             if ulysses is None:
                 continue
             shape = (_detect.BATCH, _detect.SEQ_Q, _detect.HEADS, _detect.HEAD_DIM)
-            entering = _detect.mask_entering(
-                ulysses, torch.ones(_detect.BATCH, 1, _detect.SEQ_Q, _detect.SEQ_Q, dtype=torch.bool), degree=2,
-                forward_op=forward, shape=shape, dtype=torch.bfloat16, ring_degree=1,
+            mask = torch.ones(_detect.BATCH, 1, _detect.SEQ_Q, _detect.SEQ_Q, dtype=torch.bool)
+            call = dict(
+                degree=2, forward_op=forward, shape=shape, dtype=torch.bfloat16, ring_degree=1,
                 ulysses_anything=target == ULYSSES_ANYTHING,
             )  # fmt: skip
+            entering = _detect.mask_entering(ulysses, mask, **call)
             if isinstance(entering, str):
                 return Finding("unknown", f"{name}'s forward could not be run in one process ({entering})")
-            if entering.dtype != torch.bfloat16:
+            # A bool mask may still enter a diffusers that converts it itself before its all-gather (the upstream
+            # fix, upstream/cudnn_bool_mask): then what it gathers must be the additive mask. Run whole, at degree 1
+            # (the check's head count is odd), with `forward` as diffusers' cuDNN op (as at run time, where the op
+            # handed to Ulysses is the module's, whoever replaced it).
+            stand_ins = _detect.ULYSSES_ANYTHING_STAND_INS if target == ULYSSES_ANYTHING else _detect.ULYSSES_STAND_INS
+            gathered = (
+                entering
+                if entering.dtype == torch.bfloat16
+                else _detect.mask_gathered(
+                    ulysses,
+                    shipped_of(lookup, target),
+                    mask,
+                    stand_ins={**stand_ins, TARGET: forward},
+                    **{**call, "degree": 1},
+                )
+            )
+            if not (
+                isinstance(gathered, torch.Tensor)
+                and torch.equal(gathered, torch.zeros_like(mask, dtype=torch.bfloat16))
+            ):
                 return Finding(
                     "broken",
                     f"a bool mask enters diffusers' {name} as {entering.dtype}, which torch.compile all-gathers "

@@ -5,6 +5,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from diffusers.models import attention_dispatch
 from diffusers.models.attention_dispatch import _cudnn_attention_backward_op, _cudnn_attention_forward_op
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -63,6 +64,52 @@ def test_cudnn_cp_op_refuses_an_integer_mask():
     with _RecordAttentionOps() as record, pytest.raises(ValueError, match="boolean or floating-point"):
         _cudnn_attention_forward_op(_Ctx(), query, key, value, torch.ones(1, 1, 8, 8, dtype=torch.int64))
     assert not record.calls
+
+
+class _Mesh:
+    """Stands in for the Ulysses DeviceMesh; the stand-in collectives below ignore its group."""
+
+    def get_group(self):
+        return None
+
+
+@pytest.mark.parametrize("ulysses_anything", [False, True])
+def test_ulysses_gathers_the_cudnn_mask_as_an_additive_mask_of_query_dtype(monkeypatch, ulysses_anything):
+    # torch.compile (inductor) mistypes an all-gathered bool tensor, so under Ulysses a mask for the cuDNN op must
+    # already be the additive mask the op uses when it is gathered. One rank: the collectives hand back their input.
+    gathered = []
+
+    def all_gather(tensors, tensor, group=None):
+        gathered.append(tensor)
+        for out in tensors:
+            out.copy_(tensor)
+
+    dist = types.SimpleNamespace(all_gather=all_gather, get_world_size=lambda group=None: 1)
+    monkeypatch.setattr(attention_dispatch, "dist", dist)
+    monkeypatch.setattr(attention_dispatch, "_all_to_all_single", lambda x, group=None: x)
+    monkeypatch.setattr(attention_dispatch, "gather_size_by_comm", lambda size, group=None: [size])
+    for name in ("all_to_all_single_any_qkv_async", "all_to_all_single_any_o_async"):
+        monkeypatch.setattr(attention_dispatch, name, lambda x, group=None, **kwargs: lambda: x)
+    cp_config = types.SimpleNamespace(_ulysses_mesh=_Mesh(), ulysses_degree=1, _world_size=2)
+    attention = (
+        attention_dispatch.TemplatedUlyssesAnythingAttention
+        if ulysses_anything
+        else attention_dispatch.TemplatedUlyssesAttention
+    )
+
+    query, key, value = (torch.randn(1, 8, 2, 16, dtype=torch.bfloat16) for _ in range(3))
+    keep = torch.rand(1, 1, 8, 8) > 0.5
+    expected = torch.zeros(keep.shape, dtype=torch.bfloat16).masked_fill(~keep, float("-inf"))
+    with torch.no_grad(), _RecordAttentionOps() as record:  # no grad: as inside `autograd.Function.forward`
+        attention.forward(
+            _Ctx(), query, key, value, keep, 0.0, False, None, False, False, _cudnn_attention_forward_op,
+            _cudnn_attention_backward_op, types.SimpleNamespace(context_parallel_config=cp_config),
+        )  # fmt: skip
+
+    assert len(gathered) == 1, "the local mask was not all-gathered"
+    assert gathered[0].dtype == query.dtype, f"a {gathered[0].dtype} mask was all-gathered with {query.dtype} query"
+    torch.testing.assert_close(gathered[0], expected, rtol=0, atol=0)
+    torch.testing.assert_close(record.calls[_RecordAttentionOps.OPS[0]]["attn_bias"], expected, rtol=0, atol=0)
 
 
 @pytest.mark.skipif(
