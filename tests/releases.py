@@ -200,6 +200,11 @@ for line in sys.stdin:
     print("forked", flush=True)
     reap(block=False)
 reap(block=True)
+# torch < 2.6 makes a folder at the import of torch.distributed.nn.jit.instantiator (torch._dynamo imports it) and
+# leaves it to its finalizer, which says "ResourceWarning: Implicitly cleaning up" at exit: remove it here.
+folder = getattr(sys.modules.get("torch.distributed.nn.jit.instantiator"), "_TEMP_DIR", None)
+if folder is not None:
+    folder.cleanup()
 """
 
 
