@@ -111,6 +111,18 @@ def test_rank_0_shows_notices_and_every_rank_shows_problems(category: str) -> No
         assert _case(category, "error", rank="1")["raised"] == category
 
 
+def test_under_an_error_filter_every_misread_call_raises() -> None:
+    """Caught and carried on, a run in ``warn`` mask mode must not go on wrong quietly: the next call raises too."""
+    script = SCRIPT.replace(
+        '        outcome = grads.run_case(module, "cudnn", ("b1_s64_h2", 1, 64, 64, 2, 64), False, mask="bool")\n',
+        '        grads.run_case(module, "cudnn", ("b1_s64_h2", 1, 64, 64, 2, 64), False, mask="bool")\n'
+        '        outcome = grads.run_case(module, "cudnn", ("b1_s64_h2", 1, 64, 64, 2, 64), False, mask="bool")\n',
+    )
+    assert script != SCRIPT
+    result = run(release_dir("0.39.0"), script, env={"HOW": "misread", "PYTHONWARNINGS": "error", "RANK": "0"})
+    assert result["raised"] == "MaskMisreadWarning", result
+
+
 def test_the_notice_names_the_callers_line_once() -> None:
     result = _case("MaskConvertedWarning", "default")
     assert result["_stderr"].count("MaskConvertedWarning:") == 1, result["_stderr"]

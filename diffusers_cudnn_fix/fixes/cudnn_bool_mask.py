@@ -45,8 +45,9 @@ def _warn_once(category: type[_warnings.DiffusersCudnnFixWarning], message: str)
     user's frame (the first outside diffusers, torch and this package), which the logged line names too."""
     if torch.compiler.is_compiling():
         return
-    _warned.add(category)
+    # Marked only once said: where an error filter raises it, every such call raises, as Python's warnings do.
     _warnings.report(message, category, say_where=True, may_raise=True)
+    _warned.add(category)
 
 
 def mask_policy(
