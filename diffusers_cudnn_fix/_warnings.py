@@ -142,7 +142,11 @@ def report(
     if issubclass(category, NOTICES) and process_rank() != 0:
         # Rank 0 shows it; here only an error filter (every rank raises alike) or the log has it.
         filter_module = module if isinstance(module, str) else filename.removesuffix(".py")
-        if _filter_action(message, category, filter_module, lineno) != "error":
+        try:
+            action = _filter_action(message, category, filter_module, lineno)
+        except Exception:  # noqa: BLE001 - filters we cannot read: show it, as rank 0 does
+            action = "default"
+        if action != "error":
             logger.info("%s%s", message, where)
             return
     logger.warning("%s%s", message, where)
@@ -152,7 +156,10 @@ def report(
         if may_raise:
             raise
         # Raising here would break the host's import: the user still sees it, in the warning's own format.
-        text = warnings.formatwarning(message, category, filename, lineno).rstrip()
-        sys.stderr.write(f"{text}\n  (an error filter matches it; not raised: it was met inside an import)\n")
+        try:
+            text = warnings.formatwarning(message, category, filename, lineno).rstrip()
+            sys.stderr.write(f"{text}\n  (an error filter matches it; not raised: it was met inside an import)\n")
+        except Exception:  # noqa: BLE001, S110 - no stderr to write to (pythonw): the log record above stays
+            pass
     except Exception:  # noqa: BLE001, S110 - a broken warnings setup must not break the host's import
         pass

@@ -154,3 +154,16 @@ def test_pytest_filterwarnings_error_fails_the_test_that_meets_a_warning(tmp_pat
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "MaskConvertedWarning" in proc.stdout, proc.stdout
+
+
+def test_with_no_stderr_an_error_filter_at_import_breaks_nothing() -> None:
+    """pythonw and some daemons run with ``sys.stderr = None``: the warning met inside diffusers' import then has
+    nowhere to be written, and the import must still succeed (the log record keeps it)."""
+    script = """
+import json, sys
+sys.stderr = None
+import diffusers_cudnn_fix, diffusers.models.attention_dispatch
+print(json.dumps({"ok": diffusers_cudnn_fix.status().ok}))
+"""
+    env = {"DIFFUSERS_CUDNN_FIX_SKIP": "cudnn_backward_kv", "PYTHONWARNINGS": "error"}
+    assert run(release_dir("0.39.0"), script, env=env)["ok"] is False
