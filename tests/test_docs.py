@@ -5,11 +5,15 @@
   date or by the results file it comes from. Otherwise it goes stale the day a test is added.
 * The README stays a page a newcomer reads top to bottom (at most 200 lines), and the release files it names
   are this version's.
+* Every `benchmarks/results/...` path the docs cite exists (an anchor into `RESULTS.md` names one of its headings);
+  `benchmarks/results/RESULTS.md` names only files that exist, and every file in that folder is named by it (one
+  index of the measurements, and no raw file that no figure needs).
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from releases import ROOT
 
@@ -23,8 +27,23 @@ DOCS = [
     ROOT / "README.md",
     *sorted((ROOT / "docs").glob("*.md")),
     ROOT / "tests" / "README.md",
-    ROOT / "benchmarks" / "results" / "README.md",
+    ROOT / "benchmarks" / "results" / "RESULTS.md",
 ]
+RESULTS = ROOT / "benchmarks" / "results"
+#: Where the docs cite results: the README, the changelog, docs/, the tests' README, the upstream reports.
+CITING = [
+    ROOT / "README.md",
+    ROOT / "CHANGELOG.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "tests" / "README.md",
+    *sorted((ROOT / "upstream").glob("*/*.md")),
+    RESULTS / "RESULTS.md",
+]
+#: A cited results path, to the first space, backtick, bracket or quote; "<release>" in it stands for any name.
+CITED = re.compile(r"benchmarks/results/[^\s`)\]'\"]*")
+#: A path RESULTS.md names in backticks (relative to its folder, or to the repository): a file with an extension
+#: of the results' kinds, or a folder ("compile/"); commands (with spaces) and `$OUT/...` are not paths here.
+NAMED = re.compile(r"`([\w.*<>/-]+(?:\.(?:log|json|txt|md|err)|/))`")
 
 
 def _passages(text: str) -> list[str]:
@@ -58,3 +77,47 @@ def test_the_count_rule_catches_what_it_is_for() -> None:
     assert len(flagged) == 3
     assert not COUNT.search("the 0.37.0 and 0.38.0 tests fail")
     assert RUN.search("measured at 9d4e27e") and RUN.search("(`benchmarks/results/ci-clean-clone.txt`)")
+
+
+def _matches(pattern: str, base: Path) -> list[Path]:
+    """The files or folders a cited path names under `base`: '<release>' and '*' match any name."""
+    return sorted(base.glob(re.sub(r"<[^>]*>", "*", pattern.rstrip("/")))) if pattern.rstrip("/") else [base]
+
+
+def _headings(text: str) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    return {
+        re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        for line in text.splitlines()
+        if line.startswith("#")
+    }
+
+
+def test_every_cited_result_exists() -> None:
+    anchors = _headings((RESULTS / "RESULTS.md").read_text())
+    missing = []
+    for path in CITING:
+        for cited in CITED.findall(path.read_text()):
+            target, _, anchor = cited.rstrip(".,:;").partition("#")
+            if not _matches(target.removeprefix("benchmarks/results/"), RESULTS):
+                missing.append(f"{path.relative_to(ROOT)}: {cited}")
+            elif anchor and (target != "benchmarks/results/RESULTS.md" or anchor not in anchors):
+                missing.append(f"{path.relative_to(ROOT)}: {cited} (no such heading)")
+    assert not missing, "cited results that are not there:\n" + "\n".join(missing)
+
+
+def test_results_md_names_exactly_the_files_kept() -> None:
+    named = NAMED.findall((RESULTS / "RESULTS.md").read_text())
+    absent = [n for n in named if not (_matches(n, RESULTS) or _matches(n, ROOT))]
+    assert not absent, f"RESULTS.md names paths that do not exist: {absent}"
+    covered = {p for n in named for p in _matches(n, RESULTS) if p.is_file()}
+    files = {p for p in RESULTS.rglob("*") if p.is_file() and p.name != "RESULTS.md"}
+    unnamed = sorted(str(p.relative_to(RESULTS)) for p in files - covered)
+    assert not unnamed, f"files in benchmarks/results/ that RESULTS.md does not name (name or git rm them): {unnamed}"
+
+
+def test_the_citation_checks_catch_what_they_are_for() -> None:
+    assert CITED.findall("(`benchmarks/results/gone.log`, x)") == ["benchmarks/results/gone.log"]
+    assert not _matches("gone.log", RESULTS) and _matches("ring-gpu/ring-<release>.json", RESULTS)
+    assert "ci-time" in _headings("## CI time\n") and "dead-rows" in _headings("## Dead rows")
+    assert NAMED.findall("`compile/` and `a/b.log` not `python x.py --out $OUT/b.json`") == ["compile/", "a/b.log"]
