@@ -121,22 +121,15 @@ def main(argv: list[str], make_parser: Callable[[str, str, str, str], argparse.A
     world = args.world_size = args.nproc if launching else env_world
     ring = 1 if args.ring is None else args.ring
     ulysses = max(1, world // max(ring, 1)) if args.ulysses is None else args.ulysses  # what the ring leaves
-    for wrong, problem in (
-        (
-            args.mask == "padded" and args.model != "qwen",
-            "--mask padded needs a model with a text mask path: --model qwen (Flux has none)",
-        ),
-        (args.nproc is not None and args.nproc < 1, "--nproc must be at least 1"),
-        (args.timeout <= 0, "--timeout must be positive"),
-        (args.ulysses is not None and args.ulysses < 1, "--ulysses must be at least 1"),
-        (args.ring is not None and args.ring < 1, "--ring must be at least 1"),
-        (
-            ulysses * ring != world,
-            f"--ulysses {ulysses} x --ring {ring} = {ulysses * ring} ranks, but the world size is {world}",
-        ),
-    ):
-        if wrong:
-            parser.error(problem)
+    if args.mask == "padded" and args.model != "qwen":
+        parser.error("--mask padded needs a model with a text mask path: --model qwen (Flux has none)")
+    for name in ("nproc", "ulysses", "ring"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
+    if args.timeout <= 0:
+        parser.error("--timeout must be positive")
+    if ulysses * ring != world:
+        parser.error(f"--ulysses {ulysses} x --ring {ring} = {ulysses * ring} ranks, but the world size is {world}")
     args.ulysses, args.ring, args.dtype = ulysses, ring, DTYPES[args.dtype]
     return _launch(argv, args) if launching else _run_rank(args)
 
@@ -521,17 +514,13 @@ def compare(torch: Any, got: dict[str, Any], ref: dict[str, Any], floor_run: Any
         for name in names:
             e = rel_error(torch, got["grads"][name], ref["grads"][name])
             per_param.append({"param": name, "error": e, "tolerance": tolerance, "ratio": e / tolerance})
-    ok = all(row["ok"] for row in rows)
+    ok, loss, ref_loss = all(row["ok"] for row in rows), got["loss"], ref["loss"]
     return {
         "exit_status": EXIT_PASS if ok else EXIT_MISMATCH,
         "verdict": "pass" if ok else "mismatch",
         "rows": rows,
         "worst": sorted(per_param, key=lambda p: -p["ratio"])[:3],
-        "loss": {
-            "cp": got["loss"],
-            "reference": ref["loss"],
-            "rel_error": abs(got["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30),
-        },
+        "loss": {"cp": loss, "reference": ref_loss, "rel_error": abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)},
         "reference_backend": ref["backend"],
         "unreached": [name for name in got["grads"] if name not in ref["grads"]],
         "compared_params": len(per_param),
