@@ -665,7 +665,7 @@ def run_ring(
 ) -> tuple[Any, Any]:
     """Run a ring ``forward``, then its ``backward``, as rank 0 of ``world`` ranks in this process, with stand-in
     collectives (``gather``, ``permute``) and attention ops on zero q/k/v of ``shape``; the package's corrected
-    ring drives ``backward_op`` as a known step op (its ``STEP_BACKWARD_OPS``). Returns (output, gradients).
+    ring drives ``backward_op`` as a known step op (its ``STEP_OPS``). Returns (output, gradients).
 
     The stand-in forward op returns ``step(k)``, (output, log-sum-exp) for a step's K, and saves what the
     0.36-0.39 ops save, in kernel layout."""
@@ -689,7 +689,6 @@ def run_ring(
         ctx, q, k, v, None, 0.0, False, None, False, False, forward_op, backward_op,
         types.SimpleNamespace(context_parallel_config=config),
     )  # fmt: skip
-    grads = with_globals(backward, funcol=collectives, STEP_BACKWARD_OPS={backward_op: "check"})(
-        ctx, torch.zeros(shape)
-    )
+    step_ops = {backward_op: types.SimpleNamespace(backend="check", saved=True)}  # targets.ring.StepOp's fields
+    grads = with_globals(backward, funcol=collectives, STEP_OPS=step_ops)(ctx, torch.zeros(shape))
     return result, grads

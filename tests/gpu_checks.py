@@ -169,10 +169,11 @@ def one_key_masked_rows() -> dict[str, Any]:
     # The control: the backward the package builds without the masked-row policy (with the K/V correction where
     # the installed one has it); None where no backward of the package's is installed.
     from diffusers_cudnn_fix.targets import cudnn as cudnn_target
+    from diffusers_cudnn_fix.targets import ring as ring_target
 
     unguarded = None
     if diffusers_cudnn_fix.is_patched(cudnn_target.BACKWARD):
-        corrected = getattr(backward, "ring_steps", ("", ""))[1] == "saved"
+        corrected = getattr(ring_target.STEP_OPS.get(backward), "saved", False)
         policies = frozenset({"cudnn_backward_kv"} if corrected else ())
         unguarded = cudnn_target.backward_op(diffusers_cudnn_fix.get_original(cudnn_target.BACKWARD), policies)
     gen = torch.Generator(device=DEVICE).manual_seed(11)
