@@ -673,6 +673,5 @@ def run_ring(
         ctx, q, k, v, None, 0.0, False, None, False, False, forward_op, backward_op,
         types.SimpleNamespace(context_parallel_config=config),
     )  # fmt: skip
-    step_ops = {backward_op: types.SimpleNamespace(backend="check", saved=True)}  # targets.ring.StepOp's fields
-    grads = with_globals(backward, funcol=collectives, STEP_OPS=step_ops)(ctx, torch.zeros(shape))
+    grads = with_globals(backward, funcol=collectives, STEP_OPS={backward_op: True})(ctx, torch.zeros(shape))
     return result, grads

@@ -173,7 +173,7 @@ def one_key_masked_rows() -> dict[str, Any]:
 
     unguarded = None
     if diffusers_cudnn_fix.is_patched(cudnn_target.BACKWARD):
-        corrected = getattr(ring_target.STEP_OPS.get(backward), "saved", False)
+        corrected = ring_target.STEP_OPS.get(backward, False)
         policies = frozenset({"cudnn_backward_kv"} if corrected else ())
         unguarded = cudnn_target.backward_op(diffusers_cudnn_fix.get_original(cudnn_target.BACKWARD), policies)
     gen = torch.Generator(device=DEVICE).manual_seed(11)

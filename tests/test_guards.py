@@ -363,7 +363,7 @@ def test_ring_steps_are_found_right_on_040() -> None:
         preloaded=True,
     )
     assert result["ring_grad_route"][:2] == ["broken", True]
-    assert "each ring step's backward sees that step's K/V and the merged output" in result["ring_grad_route"][2]
+    assert "each ring step's backward sees its K/V and the merged output" in result["ring_grad_route"][2]
     assert "K gradient sums the chunks" in result["ring_grad_route"][2]
     assert result["ulysses_grad_count"][:2] == ["ok", False]
 

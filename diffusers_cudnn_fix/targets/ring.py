@@ -36,19 +36,12 @@ INPUTS = len(RING_FORWARD_PARAMS) - 1
 RECORD = "_diffusers_cudnn_fix_ring"
 
 
-@dataclass(frozen=True)
-class StepOp:
-    """A backward op the corrected ring may drive step by step: its backend, and whether it reads a step's
-    tensors from ``ctx.saved_tensors`` (the package's corrected op) rather than from keywords (0.40's ops)."""
-
-    backend: str
-    saved: bool
-
-
-#: The backward ops the corrected ring drives -> how: the package's cuDNN / flash backward ops (registered by
-#: their builds) and, 0.40 on, diffusers' own (by :func:`build`). A module global, not a closure: the checks
-#: run the backward as a copy that sees their stand-in op here.
-STEP_OPS: weakref.WeakKeyDictionary[Any, StepOp] = weakref.WeakKeyDictionary()
+#: The backward ops the corrected ring drives -> whether the op reads a step's tensors from
+#: ``ctx.saved_tensors`` (the package's corrected ops, 0.36-0.39) rather than from keywords (0.40's ops): the
+#: package's cuDNN / flash backward ops (registered by their builds) and, 0.40 on, diffusers' own (by
+#: :func:`build`). A module global, not a closure: the checks run the backward as a copy that sees their
+#: stand-in op here.
+STEP_OPS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -81,7 +74,7 @@ def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
         return {}
     backward = saved_step_backward if ring_grad_route.reuses_first_step(shipped) else keyword_step_backward
     if backward is keyword_step_backward:
-        STEP_OPS.update({shipped(n): StepOp(b, saved=False) for n, b in ring_grad_route.OPS.items() if shipped(n)})
+        STEP_OPS.update({shipped(n): False for n in ring_grad_route.OPS if shipped(n) is not None})
     return {RING_FORWARD: staticmethod(ring_attention_forward), RING_BACKWARD: staticmethod(backward)}
 
 
@@ -170,8 +163,7 @@ def _recorded(ctx: Any) -> RingRecord:
 def saved_step_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tuple[torch.Tensor | None, ...]:
     """0.36 to 0.39: each ring step's gradients from the package's corrected backward op, handed that step's
     K/V with the merged output and log-sum-exp as its saved tensors (``STEP_OPS``: the checks' stand-in too)."""
-    step_op = STEP_OPS.get(ctx.backward_op)
-    if step_op is None or not step_op.saved:
+    if not STEP_OPS.get(ctx.backward_op, False):
         degree = ctx._parallel_config.context_parallel_config.ring_degree
         raise UnsafeAttentionError(
             ring_grad_route.unsupported_backend_message(ctx.backward_op, degree, first_step=True)
