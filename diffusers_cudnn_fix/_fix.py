@@ -87,8 +87,11 @@ class Fix:
 
     @property
     def upstream_folder(self) -> str | None:
-        """``upstream/<id>/ISSUE.md`` (in the source tree, not the wheel) where the fix has one, else None."""
-        return None if self.upstream_issue is None else f"upstream/{self.id}/ISSUE.md"
+        """``upstream/<id>/ISSUE.md`` (in the source tree, not the wheel) where the fix has one, else None; None
+        too outside the releases of :attr:`only_for_on`, where the bug it corrects is another, fixed upstream."""
+        if self.upstream_issue is None or (self.only_for_on is not None and not self.only_for):
+            return None
+        return f"upstream/{self.id}/ISSUE.md"
 
 
 def release_table_lists(specifier: str, version: str | None) -> bool | None:
