@@ -259,8 +259,8 @@ def ring_chunks() -> dict[str, Any]:
                 threaded_ring.run(module, backend, world, device="cuda", bf16_yardstick=True)
             )
             if shipped:
-                # diffusers' own ring as it shipped: the package's corrected forward/backward (<= 0.39, and
-                # ring_grad_route's on 0.40+) replaced by the originals.
+                # diffusers' own ring as it shipped: the package's corrected forward/backward (ring_grad_route's)
+                # replaced by the originals.
                 control = {f"ring_{name}": function for name, function in shipped.items()}
                 results[f"{backend}/world={world}/shipped ring"] = judged(
                     threaded_ring.run(module, backend, world, device="cuda", bf16_yardstick=True, **control)
