@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import traceback
 import types
 import weakref
 from collections.abc import Callable
@@ -29,7 +28,6 @@ from packaging.version import Version
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._fix import Finding, Lookup
-from ._switches import MODULE_NAME
 
 # Model layout (B, S, H, D) shapes used by the check. All distinct so that a swapped pair of dims is visible.
 BATCH, SEQ_Q, SEQ_KV, HEADS, HEAD_DIM = 2, 5, 7, 3, 8
@@ -484,19 +482,6 @@ class ReachedOp(Exception):
         self.mask = mask
 
 
-class ReachedCollectives(Exception):
-    """Raised where a forward run on :data:`STOP_MESH` first asks for its process group: it went on to
-    diffusers' code (whose frame the traceback holds)."""
-
-
-def _reach_collectives() -> Any:
-    raise ReachedCollectives
-
-
-#: A DeviceMesh whose group raises :class:`ReachedCollectives`.
-STOP_MESH = types.SimpleNamespace(get_group=_reach_collectives)
-
-
 def _all_gather(out: list[torch.Tensor], tensor: torch.Tensor, group: Any = None) -> None:
     for part in out:
         part.copy_(tensor)
@@ -556,23 +541,22 @@ def _call(forward: Any, args: tuple[Any, ...]) -> Any:
 def mask_entering(
     forward: Any, mask: torch.Tensor, *, passes: tuple[type[Exception], ...] = (), **call: Any
 ) -> torch.Tensor | str:
-    """The mask diffusers' own Ulysses forward receives when ``forward`` (it, or a replacement calling it) is
-    called with ``mask`` (:func:`call_ulysses` on :data:`STOP_MESH` with ``call``), read off diffusers' frame
-    where it asks for its process group; else a text saying what happened instead. ``passes``: exceptions the
-    caller handles itself (raised on, not turned into a text)."""
+    """The mask diffusers' own Ulysses forward receives when ``forward`` is called with ``mask``
+    (:func:`call_ulysses` with ``call``): ``mask`` itself where ``forward`` is diffusers' own; where it is a
+    replacement, what it hands its keyword ``_shipped``, here a stand-in that stops there. Else a text saying what
+    happened instead. ``passes``: exceptions the caller handles itself (raised on, not turned into a text)."""
+    if "_shipped" not in (getattr(forward, "__kwdefaults__", None) or {}):
+        return mask
     try:
-        call_ulysses(forward, mask, STOP_MESH, **call)
+        call_ulysses(functools.partial(forward, _shipped=_reach_op), mask, FAKE_MESH, **call)
     except passes:
         raise
-    except ReachedCollectives as stop:
-        frames = [frame for frame, _ in traceback.walk_tb(stop.__traceback__)]
-        if len(frames) < 2 or frames[-2].f_globals.get("__name__") != MODULE_NAME:
-            return "diffusers' own forward was not reached"
-        entering = frames[-2].f_locals.get("attn_mask")
+    except ReachedOp as reached:
+        entering = reached.mask
         return entering if isinstance(entering, torch.Tensor) else f"it received {entering!r}"
     except Exception as exc:  # noqa: BLE001 - a refusal, or an unknown build: the caller decides
         return f"{type(exc).__name__}: {exc}"
-    return "the forward returned without asking for its process group"
+    return "the forward returned without calling diffusers' forward"
 
 
 class ReachedGather(Exception):
@@ -665,7 +649,7 @@ def run_ring(
 ) -> tuple[Any, Any]:
     """Run a ring ``forward``, then its ``backward``, as rank 0 of ``world`` ranks in this process, with stand-in
     collectives (``gather``, ``permute``) and attention ops on zero q/k/v of ``shape``; the package's corrected
-    ring drives ``backward_op`` as a known step op (its ``STEP_BACKWARD_OPS``). Returns (output, gradients).
+    ring drives ``backward_op`` as a known step op (its ``STEP_OPS``). Returns (output, gradients).
 
     The stand-in forward op returns ``step(k)``, (output, log-sum-exp) for a step's K, and saves what the
     0.36-0.39 ops save, in kernel layout."""
@@ -689,7 +673,5 @@ def run_ring(
         ctx, q, k, v, None, 0.0, False, None, False, False, forward_op, backward_op,
         types.SimpleNamespace(context_parallel_config=config),
     )  # fmt: skip
-    grads = with_globals(backward, funcol=collectives, STEP_BACKWARD_OPS={backward_op: "check"})(
-        ctx, torch.zeros(shape)
-    )
+    grads = with_globals(backward, funcol=collectives, STEP_OPS={backward_op: True})(ctx, torch.zeros(shape))
     return result, grads

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -54,12 +55,9 @@ class Fix:
         kind: ``"correction"`` (makes wrong gradients right) or ``"guard"`` (stops, warns or converts where
             diffusers would compute wrong results and no correction is offered).
         note: optional; a few words on the fix's live settings for the report (a mode, say).
-        only_for: for a correction that matters only to some context-parallel runs, those runs in a few
-            words: where it is the only correction needed, the doctor and the log still say the package can
-            be removed, for every other run.
-        old_ids: ids this fix had in earlier versions, still accepted by ``DIFFUSERS_CUDNN_FIX_SKIP``.
-        checked_after: fixes whose replacements this check must see (ring_grad_route's check finds
-            ring_backward's corrected ring right): it runs on those replacements instead of the shipped code.
+        only_for_on: for a correction that matters only to some context-parallel runs on some releases,
+            (releases, runs): a PEP 440 specifier and those runs in a few words (:attr:`only_for`).
+        old_ids: ids of fixes merged into this one, still accepted by ``DIFFUSERS_CUDNN_FIX_SKIP``.
         upstream_issue: where the source tree has ``upstream/<id>/`` (ISSUE.md, reproducer, fix.patch, test: a
             bug still open on the newest release), what that folder proposes, in a few words, for the doctor's
             pointer to it; None where it has none.
@@ -72,15 +70,28 @@ class Fix:
     targets: tuple[str, ...]
     kind: Literal["correction", "guard"] = "correction"
     note: Callable[[], str] | None = None
-    only_for: str = ""
+    only_for_on: tuple[str, str] | None = None
     old_ids: tuple[str, ...] = ()
-    checked_after: tuple[str, ...] = ()
     upstream_issue: str | None = None
 
     @property
+    def only_for(self) -> str:
+        """The runs this correction matters to where the imported diffusers is one of the releases of
+        :attr:`only_for_on`, else "": where it is the only correction needed, the doctor and the log still say
+        the package can be removed, for every other run. A dev build or no diffusers: "" (every run)."""
+        if self.only_for_on is None:
+            return ""
+        releases, runs = self.only_for_on
+        version = getattr(sys.modules.get("diffusers"), "__version__", None)
+        return runs if release_table_lists(releases, None if version is None else str(version)) else ""
+
+    @property
     def upstream_folder(self) -> str | None:
-        """``upstream/<id>/ISSUE.md`` (in the source tree, not the wheel) where the fix has one, else None."""
-        return None if self.upstream_issue is None else f"upstream/{self.id}/ISSUE.md"
+        """``upstream/<id>/ISSUE.md`` (in the source tree, not the wheel) where the fix has one, else None; None
+        too outside the releases of :attr:`only_for_on`, where the bug it corrects is another, fixed upstream."""
+        if self.upstream_issue is None or (self.only_for_on is not None and not self.only_for):
+            return None
+        return f"upstream/{self.id}/ISSUE.md"
 
 
 def release_table_lists(specifier: str, version: str | None) -> bool | None:

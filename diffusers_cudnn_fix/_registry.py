@@ -223,16 +223,10 @@ def apply_to(module: ModuleType, *, scan_references: bool = True) -> None:
 def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> None:
     """Check every fix on the shipped code, build and verify the replacements, install them; record each fix."""
     fixes = _fixes()
-    findings = {fix.id: check_of(fix)(Objects(module)) for fix in fixes if not fix.checked_after}
+    findings = {fix.id: check_of(fix)(Objects(module)) for fix in fixes}
     wanted = {i for i, f in findings.items() if f.state == "broken" and i not in skipped}
     built, failed = _build(module, wanted)
-    later = [fix for fix in fixes if fix.checked_after]  # checks that must see other fixes' replacements
-    for fix in later:  # on those replacements where they are wanted, else on the shipped code
-        findings[fix.id] = check_of(fix)(Objects(module, built if wanted.intersection(fix.checked_after) else {}))
-    more = {f.id for f in later if findings[f.id].state == "broken" and f.id not in skipped}
-    if more:
-        built, failed = _build(module, wanted | more)
-    applied = (wanted | more) - failed.keys()
+    applied = wanted - failed.keys()
     for target, new in built.items():
         _state.originals[target] = raw_get(module, target)
         _raw_set(module, target, new)

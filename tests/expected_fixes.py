@@ -15,8 +15,9 @@ CARRIES: dict[str, frozenset[str]] = {
     "cudnn_backward_kv": frozenset({"0.36.0", "0.37.0", "0.37.1", "0.38.0", "0.39.0"}),
     "flash_backward_kv": frozenset({"0.37.0", "0.37.1", "0.38.0", "0.39.0"}),
     "ulysses_grad_count": frozenset({"0.36.0"}),
-    "ring_backward": frozenset({"0.36.0", "0.37.0", "0.37.1", "0.38.0", "0.39.0"}),
-    "ring_grad_route": frozenset({"0.40.0", "0.41.0", "0.42.0", "0.42.1"}),
+    # 0.36.0-0.39.0: every ring step reuses the first step's tensors; 0.40.0 on: the K/V gradients go the wrong
+    # way round the ring from degree 3.
+    "ring_grad_route": _WITH_OPS,
     "qwen_joint_mask_order": frozenset({"0.36.0", "0.37.0", "0.37.1", "0.38.0"}),
     # Guards.
     "cudnn_bool_mask": _WITH_OPS,
@@ -29,7 +30,7 @@ CARRIES: dict[str, frozenset[str]] = {
     "flash_cp_ignored": frozenset({"0.36.0"}),
 }
 CORRECTIONS = ("cudnn_forward_lse", "cudnn_backward_kv", "flash_backward_kv", "ulysses_grad_count")
-CORRECTIONS += ("ring_backward", "ring_grad_route", "qwen_joint_mask_order")
+CORRECTIONS += ("ring_grad_route", "qwen_joint_mask_order")
 GUARDS = tuple(i for i in CARRIES if i not in CORRECTIONS)
 FIX_IDS = tuple(CARRIES)
 

@@ -169,10 +169,11 @@ def one_key_masked_rows() -> dict[str, Any]:
     # The control: the backward the package builds without the masked-row policy (with the K/V correction where
     # the installed one has it); None where no backward of the package's is installed.
     from diffusers_cudnn_fix.targets import cudnn as cudnn_target
+    from diffusers_cudnn_fix.targets import ring as ring_target
 
     unguarded = None
     if diffusers_cudnn_fix.is_patched(cudnn_target.BACKWARD):
-        corrected = getattr(backward, "ring_steps", ("", ""))[1] == "saved"
+        corrected = ring_target.STEP_OPS.get(backward, False)
         policies = frozenset({"cudnn_backward_kv"} if corrected else ())
         unguarded = cudnn_target.backward_op(diffusers_cudnn_fix.get_original(cudnn_target.BACKWARD), policies)
     gen = torch.Generator(device=DEVICE).manual_seed(11)
@@ -258,8 +259,8 @@ def ring_chunks() -> dict[str, Any]:
                 threaded_ring.run(module, backend, world, device="cuda", bf16_yardstick=True)
             )
             if shipped:
-                # diffusers' own ring as it shipped: the package's corrected forward/backward (<= 0.39, and
-                # ring_grad_route's on 0.40+) replaced by the originals.
+                # diffusers' own ring as it shipped: the package's corrected forward/backward (ring_grad_route's)
+                # replaced by the originals.
                 control = {f"ring_{name}": function for name, function in shipped.items()}
                 results[f"{backend}/world={world}/shipped ring"] = judged(
                     threaded_ring.run(module, backend, world, device="cuda", bf16_yardstick=True, **control)

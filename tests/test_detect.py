@@ -88,47 +88,31 @@ def test_the_check_leaves_the_checked_functions_untouched(dispatch_module: types
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The ring check (fixes/ring_backward.py): forward and backward with stand-in collectives and ops
+# The ring check (fixes/ring_grad_route.py): forward and backward with stand-in collectives and ops
 # ------------------------------------------------------------------------------------------------------------
 def test_ring_check_tells_the_shipped_ring_from_the_corrected_one(patched: types.ModuleType) -> None:
+    """0.39.0: the shipped ring's steps reuse the first step's tensors; the package's own ring sees each step's
+    K/V and routes each chunk's gradient to its owner. 0.40.0 and later (the route broken) run in
+    tests/test_guards.py, in a fresh interpreter."""
     import diffusers_cudnn_fix
-    from diffusers_cudnn_fix.fixes import ring_backward
+    from diffusers_cudnn_fix.fixes import RING_BACKWARD, RING_FORWARD, ring_grad_route
 
     cls = patched.TemplatedRingAttention
-    shipped = {t: diffusers_cudnn_fix.get_original(t).__func__ for t in (ring_backward.FORWARD, ring_backward.BACKWARD)}
-    installed = {ring_backward.FORWARD: cls.forward, ring_backward.BACKWARD: cls.backward}
-    globals_before = dict(shipped[ring_backward.BACKWARD].__globals__)
+    shipped = {t: diffusers_cudnn_fix.get_original(t).__func__ for t in (RING_FORWARD, RING_BACKWARD)}
+    installed = {RING_FORWARD: cls.forward, RING_BACKWARD: cls.backward}
+    globals_before = dict(shipped[RING_BACKWARD].__globals__)
 
     def lookup(objects: dict) -> object:
-        return lambda name: cls if name == ring_backward.CLASS else objects.get(name)
+        return lambda name: cls if name == "TemplatedRingAttention" else objects.get(name)
 
-    assert ring_backward.check(lookup(shipped)).state == "broken"
-    assert ring_backward.check(lookup(installed)).state == "ok"
-    # The corrected backward after diffusers' own forward (which keeps nothing for it) refuses to run: the check
-    # cannot call that pair right, and says so.
-    mixed = {**installed, ring_backward.FORWARD: shipped[ring_backward.FORWARD]}
-    assert ring_backward.check(lookup(mixed)).state == "unknown"
-    # The stand-in collectives reached copies only.
-    assert dict(shipped[ring_backward.BACKWARD].__globals__) == globals_before
-
-
-def test_ring_route_check_passes_the_corrected_ring_and_leaves_the_shipped_one_to_ring_backward(
-    patched: types.ModuleType,
-) -> None:
-    """0.39.0 (fixes/ring_grad_route.py): the package's own ring routes each chunk's gradient to its owner; the
-    shipped ring's steps never see another rank's K/V (ring_backward's bug), so the route is not this check's.
-    0.40.0 and later (broken) run in tests/test_guards.py, in a fresh interpreter."""
-    import diffusers_cudnn_fix
-    from diffusers_cudnn_fix.fixes import ring_backward, ring_grad_route
-
-    cls = patched.TemplatedRingAttention
-    targets = (ring_backward.FORWARD, ring_backward.BACKWARD)
-    shipped = {t: diffusers_cudnn_fix.get_original(t).__func__ for t in targets}
-    installed = {ring_backward.FORWARD: cls.forward, ring_backward.BACKWARD: cls.backward}
-
-    def lookup(objects: dict) -> object:
-        return lambda name: cls if name == ring_backward.CLASS else objects.get(name)
-
+    found = ring_grad_route.check(lookup(shipped))
+    assert found.state == "broken" and "each step's K/V" in found.detail, found
+    assert ring_grad_route.reuses_first_step(lookup(shipped))
     found = ring_grad_route.check(lookup(installed))
     assert found.state == "ok" and "reaches its owner" in found.detail, found
-    assert ring_grad_route.check(lookup(shipped)).state == "absent"
+    # The corrected backward after diffusers' own forward (which keeps nothing for it) refuses to run: the check
+    # cannot call that pair right, and says so.
+    mixed = {**installed, RING_FORWARD: shipped[RING_FORWARD]}
+    assert ring_grad_route.check(lookup(mixed)).state == "unknown"
+    # The stand-in collectives reached copies only.
+    assert dict(shipped[RING_BACKWARD].__globals__) == globals_before

@@ -293,14 +293,21 @@ def test_a_usage_error_has_its_own_exit_status(tmp_path: Path) -> None:
     assert "cannot import" in no_diffusers.stdout
 
 
-def test_a_correction_for_some_runs_only_counts_where_its_check_is_not_sure() -> None:
+def test_a_correction_for_some_runs_only_counts_where_its_check_is_not_sure(monkeypatch) -> None:
     """An ``only_for`` correction found broken is named as the condition of the "can be removed" advice (the
     registry's log says the same); one whose check could not tell ("unknown") keeps the advice from being given,
-    as the registry's log does."""
+    as the registry's log does. On a release outside its ``only_for_on`` (ring attention on 0.39.0, wrong at any
+    degree) it counts as any correction."""
+    import types
+
     from diffusers_cudnn_fix import __main__ as doctor
     from diffusers_cudnn_fix.fixes import ALL_FIXES
 
-    conditional = next(fix for fix in ALL_FIXES if fix.only_for)
+    conditional = next(fix for fix in ALL_FIXES if fix.only_for_on)
+    monkeypatch.setitem(sys.modules, "diffusers", types.SimpleNamespace(__version__="0.39.0"))
+    assert conditional.only_for == "" and conditional.upstream_folder is None  # 0.39's bug is fixed upstream
+    monkeypatch.setitem(sys.modules, "diffusers", types.SimpleNamespace(__version__="0.42.1"))
+    assert conditional.only_for == conditional.only_for_on[1] and conditional.upstream_folder is not None
 
     def needs(state: str) -> dict:
         fixes = [

@@ -72,8 +72,8 @@ def test_templated_ulysses_attention_over_nccl_gives_reference_gradients(gpu_res
 def assert_ring_chunks(ring: dict, version: str) -> None:
     """Ring attention with 2, 3 and 4 chunks (a thread per ring rank) on the real kernels.
 
-    The package replaces the ring forward and backward on every release with ring attention (``ring_backward``
-    on <= 0.39, ``ring_grad_route`` on 0.40+): every case through it is right, within the probe's rule. The
+    The package replaces the ring forward and backward on every release with ring attention
+    (``ring_grad_route``): every case through it is right, within the probe's rule. The
     control, diffusers' own ring with the same ops: wrong or raises on <= 0.39; on 0.40+ right at 2 chunks and
     wrong K/V gradients from 3 (docs/kernel-facts.md).
     """

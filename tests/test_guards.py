@@ -344,7 +344,7 @@ def test_ring_refuses_what_it_does_not_correct(patched: types.ModuleType) -> Non
     }
     for word, kwargs in cases.items():
         message = _ring_refusal(patched, **kwargs)
-        assert word in message and "Ulysses" in message and "ring_backward" in message, (word, message)
+        assert word in message and "Ulysses" in message and "ring_grad_route" in message, (word, message)
 
 
 def test_ring_refuses_a_forward_from_before_the_correction(patched: types.ModuleType) -> None:
@@ -353,16 +353,19 @@ def test_ring_refuses_a_forward_from_before_the_correction(patched: types.Module
     assert "before the package corrected" in message, message
 
 
-def test_ring_backward_is_left_alone_where_it_is_right() -> None:
-    """0.40.0+ per-step backward: the check sees each step's K/V and installs nothing; Ulysses never guarded."""
+def test_ring_steps_are_found_right_on_040() -> None:
+    """0.40.0+ per-step backward: the check sees each step's K/V (the route is what it finds wrong); Ulysses never
+    guarded."""
     result = run(
         release_dir("0.40.0"),
         "import json, diffusers_cudnn_fix, diffusers.models.attention_dispatch\n"
-        "print(json.dumps({f.id: [f.detected, f.applied] for f in diffusers_cudnn_fix.status().fixes}))\n",
+        "print(json.dumps({f.id: [f.detected, f.applied, f.reason] for f in diffusers_cudnn_fix.status().fixes}))\n",
         preloaded=True,
     )
-    assert result["ring_backward"] == ["ok", False]
-    assert result["ulysses_grad_count"] == ["ok", False]
+    assert result["ring_grad_route"][:2] == ["broken", True]
+    assert "each ring step's backward sees its K/V and the merged output" in result["ring_grad_route"][2]
+    assert "K gradient sums the chunks" in result["ring_grad_route"][2]
+    assert result["ulysses_grad_count"][:2] == ["ok", False]
 
 
 @pytest.mark.parametrize("order", ["package_first", "none"])
@@ -495,10 +498,7 @@ print(json.dumps(result))
         preloaded=True,
     )
     tolerance = threaded_ring.TOLERANCE
-    assert result["status"] == {
-        "ring_backward": ["ok", False, "not needed"],
-        "ring_grad_route": ["broken", True, "fixed"],
-    }, result["status"]
+    assert result["status"] == {"ring_grad_route": ["broken", True, "fixed"]}, result["status"]
     assert result["patched"] == [True, True]
     # As shipped: degree 2 right; from degree 3 wrong K/V gradients, the output and the query gradient right.
     assert result["shipped/2"]["status"] == "pass", result["shipped/2"]

@@ -364,17 +364,17 @@ def test_fixed_code_labelled_as_an_affected_release_is_left_alone() -> None:
         preloaded=True,
     )
     fixes = {f["id"]: f for f in result["status"]["fixes"]}
-    fixed_in_040 = ("cudnn_forward_lse", "cudnn_backward_kv", "flash_backward_kv", "ring_backward")
+    fixed_in_040 = ("cudnn_forward_lse", "cudnn_backward_kv", "flash_backward_kv")
     for fix_id in fixed_in_040:
         fix = fixes[fix_id]
         assert fix["expected"] is True and fix["detected"] == "ok" and fix["applied"] is False, fix
     assert fixes["cudnn_bool_mask"]["applied"] is True  # still open upstream
-    # 0.40.0's ring backward routes the K/V gradients wrong from ring degree 3, which the table does not list
-    # for 0.39.0: guarded all the same, and named as a mismatch too.
+    # 0.40.0's ring backward routes the K/V gradients wrong from ring degree 3 (0.39.0's reuses the first step's
+    # tensors: the table lists both): corrected.
     route = fixes["ring_grad_route"]
-    assert route["expected"] is False and route["detected"] == "broken" and route["applied"] is True, route
+    assert route["expected"] is True and route["detected"] == "broken" and route["applied"] is True, route
     mismatches = [m for c, m in result["warnings"] if c == "ReleaseTableMismatchWarning"]
-    assert sorted(m.split("'")[1] for m in mismatches) == sorted([*fixed_in_040, "ring_grad_route"])
+    assert sorted(m.split("'")[1] for m in mismatches) == sorted(fixed_in_040)
 
 
 def test_double_import_and_reload_apply_once_and_log_once() -> None:

@@ -31,7 +31,6 @@ LAYERS = {
     "fixes.cudnn_backward_kv": 4,
     "fixes.flash_backward_kv": 4,
     "fixes.ulysses_grad_count": 4,
-    "fixes.ring_backward": 4,
     "fixes.ring_grad_route": 4,
     "fixes.cudnn_bool_mask": 4,
     "fixes.cudnn_input_dtypes": 4,

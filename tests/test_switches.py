@@ -199,8 +199,8 @@ def test_values_are_case_insensitive_and_stripped_in_the_environment() -> None:
             "DIFFUSERS_CUDNN_FIX": " On ",
             "DIFFUSERS_CUDNN_FIX_MASK": " WARN ",
             "DIFFUSERS_CUDNN_FIX_PROBE": "Strict",
-            # Upper case, spaces, and the old id of cudnn_input_dtypes.
-            "DIFFUSERS_CUDNN_FIX_SKIP": " CUDNN_BACKWARD_KV , cudnn_fp32_inputs",
+            # Upper case, spaces, and the old ids of cudnn_input_dtypes and ring_grad_route (merged into it).
+            "DIFFUSERS_CUDNN_FIX_SKIP": " CUDNN_BACKWARD_KV , cudnn_fp32_inputs, ring_backward",
         },
         preloaded=True,
     )
@@ -210,7 +210,7 @@ def test_values_are_case_insensitive_and_stripped_in_the_environment() -> None:
     by_id = fixes(result)
     assert set(by_id) == set(FIX_IDS)
     # Skipped: still checked, not applied, and status says so.
-    for fix_id in ("cudnn_backward_kv", "cudnn_input_dtypes"):
+    for fix_id in ("cudnn_backward_kv", "cudnn_input_dtypes", "ring_grad_route"):
         assert by_id[fix_id]["applied"] is False, by_id[fix_id]
         assert by_id[fix_id]["detected"] == "broken", by_id[fix_id]
         assert "skip" in by_id[fix_id]["reason"].lower(), by_id[fix_id]

@@ -93,7 +93,7 @@ def test_039_ulysses_and_ring_pass_with_the_package() -> None:
         assert phase in err  # one line per phase on stderr, from rank 0 only
     assert err.count("[6/6]") == 1
     found = passed("0.39.0", "--nproc", "2", "--ring", "2", "--backend", "_native_cudnn", *SEAMS)
-    assert "ring_backward" in found["setup"]["applied"]
+    assert "ring_grad_route" in found["setup"]["applied"]
 
 
 def test_039_ring_without_the_package_fails() -> None:

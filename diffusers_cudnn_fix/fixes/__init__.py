@@ -39,8 +39,7 @@ def _mask_note() -> str:
 #: What an upstream folder (``upstream/<id>/``) holds, for the doctor's pointer to it (Fix.upstream_issue).
 PATCH_FOR_DIFFUSERS = "reproducer, fix.patch, test"
 
-#: Fix(id, title, upstream, affected releases, targets, kind="correction", note, only_for, old_ids, checked_after,
-#: upstream_issue)
+#: Fix(id, title, upstream, affected releases, targets, kind="correction", note, only_for_on, old_ids, upstream_issue)
 ALL_FIXES: tuple[Fix, ...] = (
     Fix("cudnn_forward_lse", "cuDNN forward op computes no log-sum-exp on the context-parallel training path",
         PR_14274, ">=0.36.0,<0.40.0", (CUDNN_FORWARD,)),
@@ -78,10 +77,9 @@ ALL_FIXES: tuple[Fix, ...] = (
         "QwenImage's joint mask meets Ulysses' K/V in another token order: padded prompts train wrong",
         "fixed in diffusers 0.39.0 (the plan shards the mask; Ulysses all-gathers it)", ">=0.36.0,<0.39.0",
         (ULYSSES_FORWARD, ULYSSES_ANYTHING_FORWARD)),
-    Fix("ring_backward", "ring/unified context parallelism's backward reuses the first ring step's tensors",
-        PR_14274, ">=0.36.0,<0.40.0", (RING_FORWARD, RING_BACKWARD)),
-    Fix("ring_grad_route", "ring attention's backward routes the K/V gradients wrong from ring degree 3",
-        PR_14274, ">=0.40.0", (RING_FORWARD, RING_BACKWARD),
-        only_for="ring attention at ring_degree >= 3, or with a mask or dropout", checked_after=("ring_backward",),
-        upstream_issue=PATCH_FOR_DIFFUSERS),
+    Fix("ring_grad_route", "ring/unified context parallelism's backward gives wrong K/V gradients: every ring step "
+        "reuses the first step's tensors (0.36-0.39), or the gradients go the wrong way round from ring degree 3",
+        f"{PR_14274} fixed the first; the route is not reported upstream", ">=0.36.0", (RING_FORWARD, RING_BACKWARD),
+        only_for_on=(">=0.40.0", "ring attention at ring_degree >= 3, or with a mask or dropout"),
+        old_ids=("ring_backward",), upstream_issue=PATCH_FOR_DIFFUSERS),
 )  # fmt: skip

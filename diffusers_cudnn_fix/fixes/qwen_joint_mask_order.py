@@ -95,18 +95,9 @@ def _reorder(mask: torch.Tensor, lengths: tuple[int, int, int]) -> torch.Tensor:
     return rank_ordered_mask(mask[:, None, None, :] if mask.dim() == 2 else mask, *lengths)
 
 
-# A mask built once and handed to every layer is read, and reordered, once.
-_masks_cached = _detect.last_result(_masks)
-_reorder_cached = _detect.last_result(_reorder)
-
-
-def _masks_something(mask: torch.Tensor) -> bool:
-    return _masks_cached(mask, None)
-
-
-def _reordered(mask: torch.Tensor, text_len: int, image_len: int, degree: int) -> torch.Tensor:
-    """:func:`rank_ordered_mask` of ``mask`` (2-D (B, S) read as [B, 1, 1, S]), once per mask object and version."""
-    return _reorder_cached(mask, (text_len, image_len, degree))
+# A mask built once and handed to every layer is read, and reordered, once per mask object and version.
+_masks_something = _detect.last_result(_masks)
+_reordered = _detect.last_result(_reorder)
 
 
 @torch.compiler.assume_constant_result
@@ -194,14 +185,14 @@ def in_kv_order(
     text_local = _text_len_local(frame)
     del frame  # a frame kept alive (by a refusal's traceback) keeps the processor's tensors alive
     if anything:
-        if _masks_something(attn_mask):
+        if _masks_something(attn_mask, None):
             layout = f"a mask {tuple(attn_mask.shape)} of ulysses_anything attention, whose shards may differ in length"
             raise UnsafeAttentionError(MESSAGE.format(degree=degree, layout=layout) + ANYTHING_WAY_OUT)
         return attn_mask
     problem = _layout_problem(attn_mask, query, key, degree, text_local)
     if problem is None and text_local is not None:
-        return _reordered(attn_mask, text_local * degree, (key.shape[1] - text_local) * degree, degree)
-    if _masks_something(attn_mask):
+        return _reordered(attn_mask, (text_local * degree, (key.shape[1] - text_local) * degree, degree))
+    if _masks_something(attn_mask, None):
         raise UnsafeAttentionError(MESSAGE.format(degree=degree, layout=problem))
     return attn_mask
 

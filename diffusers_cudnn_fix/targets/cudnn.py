@@ -28,7 +28,7 @@ from ..fixes.cudnn_bool_mask import mask_policy
 from ..fixes.cudnn_forward_lse import corrected_forward
 from ..fixes.cudnn_input_dtypes import refuse_unsupported_dtypes
 from ..fixes.cudnn_masked_row_grads import without_masked_rows
-from .ring import STEPS_ATTR
+from .ring import STEP_OPS
 
 FORWARD = "_cudnn_attention_forward_op"
 BACKWARD = "_cudnn_attention_backward_op"
@@ -128,5 +128,5 @@ def backward_op(shipped: Any, broken: frozenset[str]) -> Any:
         f"diffusers' cuDNN backward op with the policies of {sorted(broken & BACKWARD_POLICIES)}."
     )
     setattr(cudnn_attention_backward_op, RESTORES, True)  # the forward may trim padded keys (_key_padding)
-    setattr(cudnn_attention_backward_op, STEPS_ATTR, ("_native_cudnn", "saved" if correct else "keywords"))
+    STEP_OPS[cudnn_attention_backward_op] = correct  # the corrected ring drives it (with its saved tensors: correct)
     return cudnn_attention_backward_op

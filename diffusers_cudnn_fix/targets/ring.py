@@ -3,14 +3,15 @@
 The forward computes what the shipped one computes (the same arithmetic in the same order) and keeps the
 merged output and log-sum-exp for the backward. The backward runs each ring step's backward op on that
 step's K/V with the merged output and log-sum-exp, sums dQ locally and passes the K/V gradient accumulator
-round the ring so that each chunk's gradient ends on its owner, at any ring degree. What a step's backward
-op is handed is each fix's policy: ``ring_backward`` (0.36-0.39) the saved tensors of the package's
-corrected ops (:func:`saved_step_backward`), ``ring_grad_route`` (0.40 on) diffusers' own ops' per-step
-keywords (:func:`keyword_step_backward`).
+round the ring so that each chunk's gradient ends on its owner, at any ring degree (``ring_grad_route``'s
+policy). What a step's backward op is handed: where the shipped ring reuses the first step's tensors
+(0.36-0.39), the saved tensors of the package's corrected ops (:func:`saved_step_backward`); on 0.40 on,
+diffusers' own ops' per-step keywords (:func:`keyword_step_backward`).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,25 +22,26 @@ import torch.nn.functional as F
 from .._detect import RING_FORWARD_PARAMS, Lookup
 from .._layout import kernel_layout, realigned_all, with_strides_of
 from .._warnings import UnsafeAttentionError
-from ..fixes import RING_BACKWARD, RING_FORWARD, ring_backward, ring_grad_route
+from ..fixes import RING_BACKWARD, RING_FORWARD, ring_grad_route
 
 if torch.distributed.is_available():
     from torch.distributed import _functional_collectives as funcol
 else:  # a torch without distributed support never reaches ring attention
     funcol = None  # type: ignore[assignment]
 
-POLICIES = frozenset({"ring_backward", "ring_grad_route"})
+POLICIES = frozenset({"ring_grad_route"})
 #: The inputs ``apply`` takes (every parameter but ``ctx``): the backward returns one gradient for each.
 INPUTS = len(RING_FORWARD_PARAMS) - 1
 #: Where the corrected forward leaves what the corrected backward needs, on the autograd context.
 RECORD = "_diffusers_cudnn_fix_ring"
-#: Set on the package's own cuDNN / flash backward ops: (backend, "saved" where the op is the corrected one
-#: reading a step's tensors from ``ctx.saved_tensors``, else "keywords": diffusers' own op inside).
-STEPS_ATTR = "ring_steps"
 
-#: diffusers' own backward ops the routed ring drives, by identity -> backend; set by :func:`build` (a module
-#: global, not a closure: the checks run the backward as a copy that sees their stand-in op here).
-STEP_BACKWARD_OPS: dict[Any, str] = {}
+
+#: The backward ops the corrected ring drives -> whether the op reads a step's tensors from
+#: ``ctx.saved_tensors`` (the package's corrected ops, 0.36-0.39) rather than from keywords (0.40's ops): the
+#: package's cuDNN / flash backward ops (registered by their builds) and, 0.40 on, diffusers' own (by
+#: :func:`build`). A module global, not a closure: the checks run the backward as a copy that sees their
+#: stand-in op here.
+STEP_OPS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -67,15 +69,12 @@ class StepContext:
 
 
 def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
-    """The corrected ring where ``ring_backward`` or ``ring_grad_route`` is broken."""
-    if "ring_backward" in broken:
-        backward = saved_step_backward
-    elif "ring_grad_route" in broken:
-        backward = keyword_step_backward
-        STEP_BACKWARD_OPS.clear()
-        STEP_BACKWARD_OPS.update({shipped(n): b for n, b in ring_grad_route.OPS.items() if shipped(n) is not None})
-    else:
+    """The corrected ring where ``ring_grad_route`` is broken."""
+    if "ring_grad_route" not in broken:
         return {}
+    backward = saved_step_backward if ring_grad_route.reuses_first_step(shipped) else keyword_step_backward
+    if backward is keyword_step_backward:
+        STEP_OPS.update({shipped(n): False for n in ring_grad_route.OPS if shipped(n) is not None})
     return {RING_FORWARD: staticmethod(ring_attention_forward), RING_BACKWARD: staticmethod(backward)}
 
 
@@ -140,40 +139,36 @@ def ring_attention_forward(
             lse = lse - F.logsigmoid(lse - step_lse)
     assert out is not None and lse is not None  # world >= 1
     out, lse = out.to(query.dtype), lse.squeeze(-1)
-    refused = ring_backward.refusal(world, attn_mask, dropout_p, is_causal, enable_gqa)
+    refused = ring_grad_route.refusal(world, attn_mask, dropout_p, is_causal, enable_gqa)
     setattr(ctx, RECORD, RingRecord(out.detach(), lse.detach(), refused))
     return (out, lse) if return_lse else out
 
 
-def _drives(backward_op: Any, style: str, known_ops: dict[Any, str]) -> bool:
-    """Whether the ring may drive ``backward_op`` in ``style``: one of ``known_ops`` (the caller's
-    ``STEP_BACKWARD_OPS``: the checks hand the caller their stand-in through its globals) or the package's own."""
-    steps = getattr(backward_op, STEPS_ATTR, None)
-    return backward_op in known_ops or (steps is not None and (style == "keywords" or steps[1] == style))
-
-
-def _recorded(ctx: Any, fix_id: str) -> RingRecord:
+def _recorded(ctx: Any) -> RingRecord:
     """What the corrected forward kept on ``ctx``; raises where the backward must not run."""
     record = getattr(ctx, RECORD, None)
     if not isinstance(record, RingRecord):
         raise UnsafeAttentionError(
             "diffusers_cudnn_fix: this ring attention's forward ran before the package corrected the ring (apply() "
-            f"between a forward and its backward?): its backward cannot be corrected. {ring_backward.way_out(fix_id)}"
+            f"between a forward and its backward?): its backward cannot be corrected. {ring_grad_route.WAY_OUT}"
         )
     if record.refusal is not None:
         raise UnsafeAttentionError(
             f"diffusers_cudnn_fix: ring context parallelism's backward is corrected without masks, dropout, causal "
-            f"attention or GQA; this call has {record.refusal}. {ring_backward.way_out(fix_id)}"
+            f"attention or GQA; this call has {record.refusal}. {ring_grad_route.WAY_OUT}"
         )
     return record
 
 
 def saved_step_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tuple[torch.Tensor | None, ...]:
-    """``ring_backward``'s policy (0.36 to 0.39): each ring step's gradients from the package's corrected
-    backward op, handed that step's K/V with the merged output and log-sum-exp as its saved tensors."""
-    if not _drives(ctx.backward_op, "saved", STEP_BACKWARD_OPS):
-        raise UnsafeAttentionError(ring_backward.unsupported_backend_message(ctx.backward_op))
-    record = _recorded(ctx, ring_backward.FIX_ID)
+    """0.36 to 0.39: each ring step's gradients from the package's corrected backward op, handed that step's
+    K/V with the merged output and log-sum-exp as its saved tensors (``STEP_OPS``: the checks' stand-in too)."""
+    if not STEP_OPS.get(ctx.backward_op, False):
+        degree = ctx._parallel_config.context_parallel_config.ring_degree
+        raise UnsafeAttentionError(
+            ring_grad_route.unsupported_backend_message(ctx.backward_op, degree, first_step=True)
+        )
+    record = _recorded(ctx)
     # What the forward op saved (kernel layout): q, the local K/V, then the rest as the op keeps it. The
     # step's output and log-sum-exp are replaced by the merged ones, laid out as the kernel takes them.
     query, key, value, _, _, *rest = ctx.saved_tensors
@@ -190,12 +185,14 @@ def saved_step_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tuple[t
 
 
 def keyword_step_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tuple[torch.Tensor | None, ...]:
-    """``ring_grad_route``'s policy (0.40 on): each ring step's gradients from diffusers' own backward op,
-    handed that step's K/V with the merged output and log-sum-exp as keywords, as 0.40 does."""
-    record = _recorded(ctx, ring_grad_route.FIX_ID)
+    """0.40 on: each ring step's gradients from diffusers' own backward op (behind the package's wrapper, if
+    any), handed that step's K/V with the merged output and log-sum-exp as keywords, as 0.40 does."""
+    record = _recorded(ctx)
     degree = ctx._parallel_config.context_parallel_config.ring_degree
-    if degree > ring_grad_route.RIGHT_UP_TO and not _drives(ctx.backward_op, "keywords", STEP_BACKWARD_OPS):
-        raise UnsafeAttentionError(ring_grad_route.unsupported_backend_message(ctx.backward_op, degree))
+    if degree > ring_grad_route.RIGHT_UP_TO and ctx.backward_op not in STEP_OPS:
+        raise UnsafeAttentionError(
+            ring_grad_route.unsupported_backend_message(ctx.backward_op, degree, first_step=False)
+        )
     # What the forward op saved at the first ring step: q and the local K/V, in model layout (B, S, H, D).
     query, key, value = ctx.saved_tensors[:3]
 
