@@ -34,16 +34,17 @@ from ._switches import MODULE_NAME
 # Model layout (B, S, H, D) shapes used by the check. All distinct so that a swapped pair of dims is visible.
 BATCH, SEQ_Q, SEQ_KV, HEADS, HEAD_DIM = 2, 5, 7, 3, 8
 
-CUDNN_FORWARD = "cudnn_forward"
-CUDNN_BACKWARD = "cudnn_backward"
-FLASH_FORWARD = "flash_forward"
-FLASH_BACKWARD = "flash_backward"
+#: The watched ATen kernels as a trace names them (not targets: those are named in ``_target_names``).
+CUDNN_FORWARD_KERNEL = "cudnn_forward"
+CUDNN_BACKWARD_KERNEL = "cudnn_backward"
+FLASH_FORWARD_KERNEL = "flash_forward"
+FLASH_BACKWARD_KERNEL = "flash_backward"
 
 _WATCHED = {
-    "_scaled_dot_product_cudnn_attention": CUDNN_FORWARD,
-    "_scaled_dot_product_cudnn_attention_backward": CUDNN_BACKWARD,
-    "_scaled_dot_product_flash_attention": FLASH_FORWARD,
-    "_scaled_dot_product_flash_attention_backward": FLASH_BACKWARD,
+    "_scaled_dot_product_cudnn_attention": CUDNN_FORWARD_KERNEL,
+    "_scaled_dot_product_cudnn_attention_backward": CUDNN_BACKWARD_KERNEL,
+    "_scaled_dot_product_flash_attention": FLASH_FORWARD_KERNEL,
+    "_scaled_dot_product_flash_attention_backward": FLASH_BACKWARD_KERNEL,
 }
 
 #: Parameters of diffusers' templated forward ops (0.36.0 to 0.42.1 spell them the same way); the corrected
@@ -240,16 +241,16 @@ def _answer(name: str, args: dict[str, Any]) -> tuple[Any, ...]:
     are laid out like their inputs; the cuDNN forward returns no log-sum-exp when not asked for one (the
     real kernel does so; the meta kernel returns one regardless).
     """
-    if name in (CUDNN_BACKWARD, FLASH_BACKWARD):
+    if name in (CUDNN_BACKWARD_KERNEL, FLASH_BACKWARD_KERNEL):
         return tuple(torch.empty_like(args[n]) for n in ("query", "key", "value"))
     q, k = args["query"], args["key"]
     batch, heads, seq_q = q.shape[:3]
-    if name == CUDNN_FORWARD:
+    if name == CUDNN_FORWARD_KERNEL:
         lse_shape = (batch, heads, seq_q, 1) if cudnn_lse_ndim() == 4 else (batch, heads, seq_q)
         lse = torch.empty(lse_shape, dtype=torch.float32) if args.get("compute_log_sumexp") else None
         seed = torch.empty((), dtype=torch.int64)
         return (torch.empty_like(q), lse, None, None, seq_q, k.shape[2], seed, torch.empty_like(seed), None)
-    # FLASH_FORWARD: the log-sum-exp is always there, (B, H, S_q); then the rng state, an unused one, debug.
+    # FLASH_FORWARD_KERNEL: the log-sum-exp is always there, (B, H, S_q); then the rng state, an unused one, debug.
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32)
     rng = (torch.empty(2, dtype=torch.uint64), torch.empty((), dtype=torch.uint64), torch.empty(0, dtype=q.dtype))
     return (torch.empty_like(q), lse, None, None, seq_q, k.shape[2], *rng)
@@ -271,7 +272,7 @@ def check_backward_layout(forward: Any, backward: Any, forward_op: str, backward
     """Do q, k, v reach the backward kernel in the layout they reached the forward kernel?
 
     ``forward`` / ``backward``: the op pair (None where missing); ``forward_op`` / ``backward_op``: the
-    watched ATen ops they reach (``CUDNN_FORWARD``, ...). Runs with ``return_lse=True`` so that a missing
+    watched ATen ops they reach (``CUDNN_FORWARD_KERNEL``, ...). Runs with ``return_lse=True`` so that a missing
     log-sum-exp (a separate bug) cannot mask this one. Also checks that ``grad_out`` reaches the kernel with
     ``out``'s shape and strides and that the gradients come back in model layout.
     """
@@ -305,7 +306,7 @@ def check_backward_layout(forward: Any, backward: Any, forward_op: str, backward
 
 def check_forward_lse(forward: Any, *, forward_op: str) -> Finding:
     """Is the log-sum-exp computed when a backward will follow, while the caller gets what it asked for?"""
-    backward_op = CUDNN_BACKWARD if forward_op == CUDNN_FORWARD else FLASH_BACKWARD
+    backward_op = CUDNN_BACKWARD_KERNEL if forward_op == CUDNN_FORWARD_KERNEL else FLASH_BACKWARD_KERNEL
     if (problem := op_problem(forward) or aten_contract_problem(forward_op, backward_op)) is not None:
         return problem
     trace = run_pair(forward, None, return_lse=False)
@@ -401,7 +402,7 @@ def _difference(found: tuple[str, str] | None, known: tuple[str, str]) -> str:
 
 
 def aten_contract_problem(*ops: str) -> Finding | None:
-    """Why the running torch's ATen ops behind ``ops`` (``CUDNN_FORWARD``, ...) are not the ones the corrected
+    """Why the running torch's ATen ops behind ``ops`` (``CUDNN_FORWARD_KERNEL``, ...) are not the ones the corrected
     ops were written for ("unknown"), or None when they are: the one check every fix calling them consults."""
     for name in (aten for aten, op in _WATCHED.items() if op in ops):
         found, known = aten_signature(name), ATEN_SIGNATURES[name]
@@ -411,7 +412,7 @@ def aten_contract_problem(*ops: str) -> Finding | None:
                 f"torch {torch.__version__}'s aten::{name} {_difference(found, known)}, unlike every torch the "
                 "package was written for",
             )
-    if CUDNN_FORWARD in ops and _meta_lse_ndim() != cudnn_lse_ndim():
+    if CUDNN_FORWARD_KERNEL in ops and _meta_lse_ndim() != cudnn_lse_ndim():
         return Finding(
             "unknown",
             f"torch {torch.__version__}'s cuDNN attention returns a log-sum-exp of {_meta_lse_ndim()} dims (meta "

@@ -171,10 +171,10 @@ def one_key_masked_rows() -> dict[str, Any]:
     from diffusers_cudnn_fix.targets import cudnn as cudnn_target
 
     unguarded = None
-    if diffusers_cudnn_fix.is_patched(cudnn_target.BACKWARD):
+    if diffusers_cudnn_fix.is_patched(cudnn_target.CUDNN_BACKWARD):
         corrected = getattr(backward, "ring_steps", ("", ""))[1] == "saved"
         policies = frozenset({"cudnn_backward_kv"} if corrected else ())
-        unguarded = cudnn_target.backward_op(diffusers_cudnn_fix.get_original(cudnn_target.BACKWARD), policies)
+        unguarded = cudnn_target.backward_op(diffusers_cudnn_fix.get_original(cudnn_target.CUDNN_BACKWARD), policies)
     gen = torch.Generator(device=DEVICE).manual_seed(11)
     q, grad = (torch.randn(2, 7, 3, 32, generator=gen, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(2, 1, 3, 32, generator=gen, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))

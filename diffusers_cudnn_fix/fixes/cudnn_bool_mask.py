@@ -18,10 +18,8 @@ import torch
 from .. import _detect, _switches, _warnings
 from .._fix import Finding, Lookup, shipped_of
 from .._warnings import MaskConvertedWarning, MaskMisreadWarning, UnsafeAttentionError
+from . import CUDNN_BACKWARD, CUDNN_FORWARD, ULYSSES_ANYTHING_FORWARD, ULYSSES_FORWARD
 
-TARGET = "_cudnn_attention_forward_op"
-ULYSSES = "TemplatedUlyssesAttention.forward"
-ULYSSES_ANYTHING = "TemplatedUlyssesAnythingAttention.forward"
 ISSUE = "huggingface/diffusers#14342"
 
 
@@ -111,7 +109,7 @@ def _bias(trace: _detect.Trace, op: str) -> Any:
 
 
 def check(lookup: Lookup) -> Finding:
-    forward, backward = lookup(TARGET), lookup("_cudnn_attention_backward_op")
+    forward, backward = lookup(CUDNN_FORWARD), lookup(CUDNN_BACKWARD)
     if (problem := _detect.op_problem(forward, backward)) is not None:
         return problem
     want = _detect.check_mask("float32").to(torch.bfloat16)
@@ -123,24 +121,24 @@ def check(lookup: Lookup) -> Finding:
             trace = _detect.run_pair(
                 forward, backward if kind == "bool" else None, return_lse=True, mask=_detect.check_mask(kind)
             )
-            if trace.first(_detect.CUDNN_FORWARD) is None:
+            if trace.first(_detect.CUDNN_FORWARD_KERNEL) is None:
                 return Finding("unknown", f"with a {kind} mask the forward never reached the kernel ({trace.error})")
-            fwd = _bias(trace, _detect.CUDNN_FORWARD)
+            fwd = _bias(trace, _detect.CUDNN_FORWARD_KERNEL)
             if not isinstance(fwd, torch.Tensor) or fwd.dtype != torch.bfloat16:
                 found = getattr(fwd, "dtype", fwd)
                 return Finding("broken", f"a {kind} mask reaches the cuDNN kernel's bias as {found} with bf16 q")
             if not torch.equal(fwd, want):
                 return Finding("broken", f"a {kind} mask reaches the kernel converted to the wrong values")
             if kind == "bool":
-                bwd = _bias(trace, _detect.CUDNN_BACKWARD)
+                bwd = _bias(trace, _detect.CUDNN_BACKWARD_KERNEL)
                 if bwd is not fwd and not (isinstance(bwd, torch.Tensor) and torch.equal(bwd, fwd)):
                     return Finding("broken", "the backward kernel gets another bias than the forward")
         trace = _detect.run_pair(forward, None, return_lse=True, mask=_detect.check_mask("int64"))
-        if trace.first(_detect.CUDNN_FORWARD) is not None:
+        if trace.first(_detect.CUDNN_FORWARD_KERNEL) is not None:
             return Finding("broken", "an integer mask reaches the cuDNN kernel's bias")
         # Where the mask enters diffusers' Ulysses attention (the plain class, and 0.37+'s ulysses_anything one),
         # before it may be all-gathered.
-        for target in (ULYSSES, ULYSSES_ANYTHING):
+        for target in (ULYSSES_FORWARD, ULYSSES_ANYTHING_FORWARD):
             ulysses, name = lookup(target), target.partition(".")[0]
             if ulysses is None:
                 continue
@@ -148,7 +146,7 @@ def check(lookup: Lookup) -> Finding:
             mask = torch.ones(_detect.BATCH, 1, _detect.SEQ_Q, _detect.SEQ_Q, dtype=torch.bool)
             call = dict(
                 degree=2, forward_op=forward, shape=shape, dtype=torch.bfloat16, ring_degree=1,
-                ulysses_anything=target == ULYSSES_ANYTHING,
+                ulysses_anything=target == ULYSSES_ANYTHING_FORWARD,
             )  # fmt: skip
             entering = _detect.mask_entering(ulysses, mask, **call)
             if isinstance(entering, str):
@@ -157,7 +155,8 @@ def check(lookup: Lookup) -> Finding:
             # fix, upstream/cudnn_bool_mask): then what it gathers must be the additive mask. Run whole, at degree 1
             # (the check's head count is odd), with `forward` as diffusers' cuDNN op (as at run time, where the op
             # handed to Ulysses is the module's, whoever replaced it).
-            stand_ins = _detect.ULYSSES_ANYTHING_STAND_INS if target == ULYSSES_ANYTHING else _detect.ULYSSES_STAND_INS
+            anything = target == ULYSSES_ANYTHING_FORWARD
+            stand_ins = _detect.ULYSSES_ANYTHING_STAND_INS if anything else _detect.ULYSSES_STAND_INS
             gathered = (
                 entering
                 if entering.dtype == torch.bfloat16
@@ -165,7 +164,7 @@ def check(lookup: Lookup) -> Finding:
                     ulysses,
                     shipped_of(lookup, target),
                     mask,
-                    stand_ins={**stand_ins, TARGET: forward},
+                    stand_ins={**stand_ins, CUDNN_FORWARD: forward},
                     **{**call, "degree": 1},
                 )
             )

@@ -15,8 +15,7 @@ import torch
 from .. import _detect
 from .._fix import Finding, Lookup
 from .._layout import backward_may_follow, kernel_layout
-
-TARGET = "_cudnn_attention_forward_op"
+from . import CUDNN_FORWARD
 
 
 def corrected_forward(
@@ -90,4 +89,4 @@ def no_kernel_message(device: torch.device) -> str:
 
 
 def check(lookup: Lookup) -> Finding:
-    return _detect.check_forward_lse(lookup(TARGET), forward_op=_detect.CUDNN_FORWARD)
+    return _detect.check_forward_lse(lookup(CUDNN_FORWARD), forward_op=_detect.CUDNN_FORWARD_KERNEL)

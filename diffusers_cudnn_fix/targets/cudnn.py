@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
-from .._detect import CUDNN_FORWARD, REFUSES_GQA, refuses_gqa
+from .._detect import CUDNN_FORWARD_KERNEL, REFUSES_GQA, refuses_gqa
 from .._fix import Lookup
 from .._key_padding import RESTORES, restored, trim
 from .._layout import entering, realigned, realigned_all
+from ..fixes import CUDNN_BACKWARD, CUDNN_FORWARD
 from ..fixes.cudnn_backward_kv import corrected_backward
 from ..fixes.cudnn_bool_mask import mask_policy
 from ..fixes.cudnn_forward_lse import corrected_forward
@@ -30,15 +31,13 @@ from ..fixes.cudnn_input_dtypes import refuse_unsupported_dtypes
 from ..fixes.cudnn_masked_row_grads import without_masked_rows
 from .ring import STEPS_ATTR
 
-FORWARD = "_cudnn_attention_forward_op"
-BACKWARD = "_cudnn_attention_backward_op"
 FORWARD_POLICIES = frozenset({"cudnn_forward_lse", "cudnn_input_dtypes", "cudnn_bool_mask"})
 BACKWARD_POLICIES = frozenset({"cudnn_backward_kv", "cudnn_masked_row_grads"})
 POLICIES = FORWARD_POLICIES | BACKWARD_POLICIES
 
 
 def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
-    ops = ((FORWARD, FORWARD_POLICIES, forward_op), (BACKWARD, BACKWARD_POLICIES, backward_op))
+    ops = ((CUDNN_FORWARD, FORWARD_POLICIES, forward_op), (CUDNN_BACKWARD, BACKWARD_POLICIES, backward_op))
     return {target: make(shipped(target), broken) for target, policies, make in ops if broken & policies}
 
 
@@ -48,7 +47,7 @@ def forward_op(shipped: Any, broken: frozenset[str]) -> Any:
     dtypes = "cudnn_input_dtypes" in broken
     masks = "cudnn_bool_mask" in broken
     guarded = dtypes or masks
-    gqa_refused = refuses_gqa(shipped, CUDNN_FORWARD)
+    gqa_refused = refuses_gqa(shipped, CUDNN_FORWARD_KERNEL)
 
     def cudnn_attention_forward_op(
         ctx: Any,

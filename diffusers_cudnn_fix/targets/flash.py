@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from .._detect import FLASH_FORWARD as FLASH_KERNEL
-from .._detect import REFUSES_GQA, refuses_gqa
+from .._detect import FLASH_FORWARD_KERNEL, REFUSES_GQA, refuses_gqa
 from .._fix import Lookup
 from .._layout import entering, realigned_all
 from ..fixes import FLASH_BACKEND, FLASH_BACKWARD, FLASH_FORWARD
@@ -42,7 +41,7 @@ def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
 
 def aligned_forward(shipped: Any) -> Any:
     """``shipped`` (the flash forward op) handed q/k/v on 16 bytes; its signature is the shipped op's."""
-    gqa_refused = refuses_gqa(shipped, FLASH_KERNEL)
+    gqa_refused = refuses_gqa(shipped, FLASH_FORWARD_KERNEL)
 
     def native_flash_attention_forward_op(
         ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
