@@ -9,8 +9,7 @@ backward kernel in the layout they reached the forward kernel, is the log-sum-ex
 will need it, does ``grad_out`` carry ``out``'s strides, what reaches the bias slot.
 
 Shapes are chosen so that every dimension differs (B=2, S_q=5, S_kv=7, H=3, D=8): any transposition shows
-up as a shape change. Also here, as the one module every fix imports: :func:`last_result`, the one-entry
-cache of the mask policies of ``cudnn_bool_mask`` and ``qwen_joint_mask_order``.
+up as a shape change.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import functools
 import inspect
 import traceback
 import types
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +27,7 @@ from packaging.version import Version
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._fix import Finding, Lookup
+from ._key_padding import remembered
 from ._switches import MODULE_NAME
 
 # Model layout (B, S, H, D) shapes used by the check. All distinct so that a swapped pair of dims is visible.
@@ -422,27 +421,8 @@ def aten_contract_problem(*ops: str) -> Finding | None:
 
 
 def last_result(compute: Callable[[torch.Tensor, Any], Any]) -> Callable[[torch.Tensor, Any], Any]:
-    """``compute(tensor, question)``, kept for the last tensor and question while the tensor lives unchanged: a
-    mask built once and handed to every layer is read, converted or reordered once. Computed every time while
-    compiling, and for an inference tensor (it has no version counter)."""
-    last: tuple[weakref.ref[torch.Tensor], int, Any, Any] | None = None
-
-    def forget(_: object) -> None:
-        nonlocal last
-        last = None  # the tensor is gone: do not keep what was computed from it alive
-
-    def once(tensor: torch.Tensor, question: Any) -> Any:
-        nonlocal last
-        if torch.compiler.is_compiling() or tensor.is_inference():
-            return compute(tensor, question)
-        kept = last
-        if kept is not None and kept[0]() is tensor and kept[1] == tensor._version and kept[2] == question:
-            return kept[3]
-        result = compute(tensor, question)
-        last = (weakref.ref(tensor, forget), tensor._version, question, result)
-        return result
-
-    return once
+    """``compute(tensor, question)`` through the one cache of the mask policies (``_key_padding.remembered``)."""
+    return functools.partial(remembered, compute)
 
 
 def with_globals(fn: Callable[..., Any], **overrides: Any) -> Callable[..., Any]:

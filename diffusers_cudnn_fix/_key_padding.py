@@ -31,7 +31,29 @@ from . import _switches
 RESTORES = "restores_key_padding"
 #: The autograd-context attribute that tells the backward what the forward trimmed.
 CTX_ATTR = "dcf_key_padding"
-_MAX_PLANS = 8
+_MAX_MASKS = 8
+# id(tensor) -> (the tensor, weakly; its version counter; {(compute, question): what it computed})
+_kept: dict[int, tuple[weakref.ref[torch.Tensor], int, dict[Any, Any]]] = {}
+
+
+def remembered(compute: Any, tensor: torch.Tensor, question: Any) -> Any:
+    """``compute(tensor, question)``, kept while ``tensor`` lives unchanged (its version counter): a mask built once
+    and handed to every layer is converted, planned or reordered once. The one cache of the mask policies, a few
+    masks deep (a model alternating masks keeps both). Computed every time while compiling, and for an inference
+    tensor (it has no version counter)."""
+    if torch.compiler.is_compiling() or tensor.is_inference():
+        return compute(tensor, question)
+    key = id(tensor)
+    entry = _kept.get(key)
+    if entry is None or entry[0]() is not tensor or entry[1] != tensor._version:
+        if len(_kept) >= _MAX_MASKS:
+            _kept.clear()
+        # The tensor gone, so is what was computed from it (and its id may be reused).
+        entry = _kept[key] = (weakref.ref(tensor, lambda _: _kept.pop(key, None)), tensor._version, {})
+    answers = entry[2]
+    if (compute, question) not in answers:
+        answers[compute, question] = compute(tensor, question)
+    return answers[compute, question]
 
 
 class Plan(NamedTuple):
@@ -48,8 +70,6 @@ class Plan(NamedTuple):
 
 _BIAS = Plan("bias")
 _ALL = Plan("all")
-# id(mask) -> (the mask, weakly; its version counter; the bias dtype; the plan)
-_plans: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.dtype, Plan]] = {}
 
 
 def plan(mask: torch.Tensor, dtype: torch.dtype) -> Plan:
@@ -123,14 +143,7 @@ def trim(
         or _switches._choice(_switches.MASK_VAR) != "convert"
     ):
         return key, value, mask
-    entry = _plans.get(id(given))
-    if entry is not None and entry[0]() is given and entry[1] == given._version and entry[2] == mask.dtype:
-        found = entry[3]
-    else:
-        found = plan(given, mask.dtype)
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[id(given)] = (weakref.ref(given, _forget(id(given))), given._version, mask.dtype, found)
+    found = remembered(plan, given, mask.dtype)
     kind = found.kind
     if kind == "bias" or (found.n == 1 and query.shape[1] == 1):  # cuDNN refuses S_q = S_kv = 1
         return key, value, mask
@@ -148,13 +161,6 @@ def trim(
     if ctx is not None and save_ctx:
         setattr(ctx, CTX_ATTR, (seq, found))
     return key, value, found.bias
-
-
-def _forget(key: int) -> Any:
-    def forget(_: object) -> None:
-        _plans.pop(key, None)  # the mask is gone: so is its plan (and its id may be reused)
-
-    return forget
 
 
 def restored(ctx: Any, grads: Any) -> Any:

@@ -17,6 +17,7 @@ import torch
 
 from .. import _detect, _switches, _warnings
 from .._fix import Finding, Lookup, shipped_of
+from .._key_padding import remembered
 from .._warnings import MaskConvertedWarning, MaskMisreadWarning, UnsafeAttentionError
 from . import CUDNN_BACKWARD, CUDNN_FORWARD, ULYSSES_ANYTHING_FORWARD, ULYSSES_FORWARD
 
@@ -32,10 +33,6 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     return mask.to(dtype)
-
-
-# The last conversion: a mask built once and reused by every layer is converted once.
-_converted = _detect.last_result(additive_mask)
 
 
 def _warn_once(category: type[_warnings.DiffusersCudnnFixWarning], message: str) -> None:
@@ -86,7 +83,7 @@ def mask_policy(
                 f"{_reached(attn_mask, dtype)}; it was converted to an additive {dtype} mask. {_switches.MASK_VAR}="
                 "warn passes masks through as diffusers does, =error refuses them (shown once per process).",
             )
-        return _converted(attn_mask, dtype)
+        return remembered(additive_mask, attn_mask, dtype)
     if MaskMisreadWarning not in _warned:
         _warn_once(
             MaskMisreadWarning,
