@@ -220,11 +220,6 @@ def run_pair(
     return trace
 
 
-#: Set on the package's forward-op replacements: whether diffusers' op behind it refuses ``enable_gqa`` itself
-#: (:func:`refuses_gqa`), read by the Ulysses replacement to leave such a call to diffusers' own error.
-REFUSES_GQA = "refuses_gqa"
-
-
 def refuses_gqa(forward: Callable[..., Any], forward_op: str) -> bool:
     """Whether diffusers' forward op raises its own error for ``enable_gqa=True`` before reaching the ATen kernel
     ``forward_op`` (every release: "`enable_gqa` is not yet supported ..."). The replacements then hand such a
@@ -440,17 +435,27 @@ def with_globals(fn: Callable[..., Any], **overrides: Any) -> Callable[..., Any]
 
 
 def with_stand_ins(fn: Callable[..., Any], shipped: Any, **overrides: Any) -> Callable[..., Any]:
-    """``fn`` running diffusers' code with ``overrides`` in place of some of its globals (the collectives).
+    """``fn`` running diffusers' function ``shipped`` with ``overrides`` in place of some of its globals (the
+    collectives): where ``fn`` is ``shipped``, a copy of it (:func:`with_globals`); where ``fn`` is a replacement
+    built around ``shipped`` (its builder's argument, held in its closure), the same replacement built around that
+    copy. Anything else runs as it is."""
+    if not (isinstance(fn, types.FunctionType) and isinstance(shipped, types.FunctionType)):
+        return fn
+    copy = with_globals(shipped, **overrides)
+    if fn is shipped:
+        return copy
+    closure = fn.__closure__ or ()
+    if not any(_content(cell) is shipped for cell in closure):
+        return fn
+    cells = tuple(types.CellType(copy) if _content(cell) is shipped else cell for cell in closure)
+    return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
 
-    ``fn`` is diffusers' own function (``shipped``): a copy of it (:func:`with_globals`). ``fn`` is a
-    replacement calling diffusers' function: it takes that function as its keyword ``_shipped``, and is handed
-    such a copy there. Anything else runs as it is.
-    """
-    if fn is shipped and isinstance(fn, types.FunctionType):
-        return with_globals(fn, **overrides)
-    if isinstance(shipped, types.FunctionType) and "_shipped" in (getattr(fn, "__kwdefaults__", None) or {}):
-        return functools.partial(fn, _shipped=with_globals(shipped, **overrides))
-    return fn
+
+def _content(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 #: Stands in for a DeviceMesh in the class checks: the stand-in collectives ignore the group.

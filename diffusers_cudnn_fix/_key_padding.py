@@ -26,9 +26,6 @@ import torch.nn.functional as F
 
 from . import _switches
 
-#: Set on the backward op wrapper that scatters the K/V gradients back (``restored``): the forward trims only
-#: where the context's backward op carries it.
-RESTORES = "restores_key_padding"
 #: The autograd-context attribute that tells the backward what the forward trimmed.
 CTX_ATTR = "dcf_key_padding"
 _MAX_MASKS = 8
@@ -117,10 +114,12 @@ def trim(
     is_causal: bool,
     save_ctx: bool,
     parallel_config: Any,
+    restoring: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(key, value, mask) for diffusers' cuDNN forward op: trimmed to the valid keys where ``given`` (the mask
-    as it reached the op) only pads keys, else as they came. ``mask`` is ``given`` after the mask policy; the
-    keywords are the op's own arguments. Records on ``ctx`` what ``restored`` needs."""
+        as it reached the op) only pads keys, else as they came. ``mask`` is ``given`` after the mask policy; the
+        keywords are the op's own arguments, and ``restoring`` the backward op that scatters the K/V gradients back
+    (:func:`restored`), or None. Records on ``ctx`` what ``restored`` needs."""
     if torch.compiler.is_compiling() or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
         return key, value, mask
     if ctx is not None:
@@ -138,7 +137,7 @@ def trim(
         # Ring attention hands the op K/V chunks (and refuses masks).
         or getattr(getattr(parallel_config, "context_parallel_config", None), "ring_degree", 1) > 1
         # The backward that will run could not scatter the K/V gradients back.
-        or (save_ctx and not getattr(getattr(ctx, "backward_op", None), RESTORES, False))
+        or (save_ctx and (restoring is None or getattr(ctx, "backward_op", None) is not restoring))
         # Only in convert mode (warn: as upstream; error: bool masks never get here); mask_mode() without its frame.
         or _switches._choice(_switches.MASK_VAR) != "convert"
     ):

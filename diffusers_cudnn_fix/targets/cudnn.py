@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from .._detect import CUDNN_FORWARD_KERNEL, REFUSES_GQA, refuses_gqa
+from .._detect import CUDNN_FORWARD_KERNEL, refuses_gqa
 from .._fix import Lookup
-from .._key_padding import RESTORES, restored, trim
+from .._key_padding import restored, trim
 from .._layout import entering, realigned, realigned_all
 from ..fixes import CUDNN_BACKWARD, CUDNN_FORWARD
 from ..fixes.cudnn_backward_kv import corrected_backward
@@ -37,12 +37,18 @@ POLICIES = FORWARD_POLICIES | BACKWARD_POLICIES
 
 
 def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
-    ops = ((CUDNN_FORWARD, FORWARD_POLICIES, forward_op), (CUDNN_BACKWARD, BACKWARD_POLICIES, backward_op))
-    return {target: make(shipped(target), broken) for target, policies, make in ops if broken & policies}
+    built = {}
+    if broken & BACKWARD_POLICIES:
+        built[CUDNN_BACKWARD] = backward_op(shipped(CUDNN_BACKWARD), broken)
+    if broken & FORWARD_POLICIES:
+        built[CUDNN_FORWARD] = forward_op(shipped(CUDNN_FORWARD), broken, built.get(CUDNN_BACKWARD))
+    return built
 
 
-def forward_op(shipped: Any, broken: frozenset[str]) -> Any:
-    """diffusers' cuDNN forward op ``shipped`` with the policies of the ``broken`` fixes."""
+def forward_op(shipped: Any, broken: frozenset[str], restoring: Any = None) -> Any:
+    """diffusers' cuDNN forward op ``shipped`` with the policies of the ``broken`` fixes. ``restoring``: the
+    package's backward op built with it, which scatters the K/V gradients of trimmed keys back: only a call whose
+    context will run it has its padded keys trimmed (``_key_padding``)."""
     correct = "cudnn_forward_lse" in broken
     dtypes = "cudnn_input_dtypes" in broken
     masks = "cudnn_bool_mask" in broken
@@ -83,6 +89,7 @@ def forward_op(shipped: Any, broken: frozenset[str]) -> Any:
                     key, value, attn_mask = trim(
                         ctx, query, key, value, given, attn_mask,
                         dropout_p=dropout_p, is_causal=is_causal, save_ctx=_save_ctx, parallel_config=_parallel_config,
+                        restoring=restoring,
                     )  # fmt: skip
             # A new per-call step on the mask the kernel gets goes here.
             # Views at an odd offset reach the kernel as they are on every release: hand it aligned memory.
@@ -102,11 +109,6 @@ def forward_op(shipped: Any, broken: frozenset[str]) -> Any:
     cudnn_attention_forward_op.__doc__ = (
         f"diffusers' cuDNN forward op with the policies of {sorted(broken & FORWARD_POLICIES)}."
     )
-    if masks:
-        cudnn_attention_forward_op.mask_policy = mask_policy  # type: ignore[attr-defined]  # for Ulysses' replacement
-    setattr(cudnn_attention_forward_op, REFUSES_GQA, gqa_refused)
-    # Only the corrected forward hands the kernel strided views where the GPU probe verified them.
-    cudnn_attention_forward_op.zero_copy = correct  # type: ignore[attr-defined]
     return cudnn_attention_forward_op
 
 
@@ -126,6 +128,5 @@ def backward_op(shipped: Any, broken: frozenset[str]) -> Any:
     cudnn_attention_backward_op.__doc__ = (
         f"diffusers' cuDNN backward op with the policies of {sorted(broken & BACKWARD_POLICIES)}."
     )
-    setattr(cudnn_attention_backward_op, RESTORES, True)  # the forward may trim padded keys (_key_padding)
     setattr(cudnn_attention_backward_op, STEPS_ATTR, ("_native_cudnn", "saved" if correct else "keywords"))
     return cudnn_attention_backward_op
