@@ -181,16 +181,10 @@ def check_mask(kind: str) -> torch.Tensor:
 
 
 def run_pair(
-    forward: Callable[..., Any],
-    backward: Callable[..., Any] | None,
-    *,
-    return_lse: bool,
-    mask: torch.Tensor | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    key_dtype: torch.dtype | None = None,
-    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    enable_gqa: bool = False,
-) -> Trace:
+    forward: Callable[..., Any], backward: Callable[..., Any] | None, *, return_lse: bool,
+    mask: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16, key_dtype: torch.dtype | None = None,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, enable_gqa: bool = False,
+) -> Trace:  # fmt: skip
     """Run ``forward`` (and ``backward`` on its output) on tiny CPU tensors and record the ATen calls.
 
     Called as diffusers' templated attention calls it in training. ``dtype``: of q (and k, v unless
@@ -514,17 +508,10 @@ def _reach_op(ctx: Any, query: Any, key: Any, value: Any, attn_mask: Any, *args:
 
 
 def call_ulysses(
-    forward: Any,
-    mask: torch.Tensor,
-    mesh: Any,
-    *,
-    degree: int,
-    forward_op: Any = _reach_op,
-    shape: tuple[int, ...] = (1, 4, 2, 8),
-    dtype: torch.dtype = torch.float32,
-    via: Callable[[Any, tuple[Any, ...]], Any] | None = None,
-    **extra: Any,
-) -> None:
+    forward: Any, mask: torch.Tensor, mesh: Any, *, degree: int, forward_op: Any = _reach_op,
+    shape: tuple[int, ...] = (1, 4, 2, 8), dtype: torch.dtype = torch.float32,
+    via: Callable[[Any, tuple[Any, ...]], Any] | None = None, **extra: Any,
+) -> None:  # fmt: skip
     """Call a Ulysses ``forward`` as diffusers' dispatch does in training, at Ulysses ``degree`` of 2 ranks on
     ``mesh`` (``extra``: more attributes of its config), with zero q/k/v of ``shape`` and ``mask``; raises what it
     raises (the default ``forward_op``: :class:`ReachedOp`). ``via(forward, args)``: the call's frame."""

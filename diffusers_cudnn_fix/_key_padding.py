@@ -103,19 +103,9 @@ def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def trim(
-    ctx: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    given: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    dropout_p: float,
-    is_causal: bool,
-    save_ctx: bool,
-    parallel_config: Any,
-    restoring: Any,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, given: torch.Tensor, mask: torch.Tensor, *,
+    dropout_p: float, is_causal: bool, save_ctx: bool, parallel_config: Any, restoring: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """(key, value, mask) for diffusers' cuDNN forward op: trimmed to the valid keys where ``given`` (the mask
         as it reached the op) only pads keys, else as they came. ``mask`` is ``given`` after the mask policy; the
         keywords are the op's own arguments, and ``restoring`` the backward op that scatters the K/V gradients back

@@ -135,45 +135,30 @@ def check(lookup: Lookup) -> Finding:
             return Finding("broken", "an integer mask reaches the cuDNN kernel's bias")
         # Where the mask enters diffusers' Ulysses attention (the plain class, and 0.37+'s ulysses_anything one),
         # before it may be all-gathered.
-        for target in (ULYSSES_FORWARD, ULYSSES_ANYTHING_FORWARD):
+        shape = (_detect.BATCH, _detect.SEQ_Q, _detect.HEADS, _detect.HEAD_DIM)
+        mask = torch.ones(_detect.BATCH, 1, _detect.SEQ_Q, _detect.SEQ_Q, dtype=torch.bool)
+        for target, stand_ins in ((ULYSSES_FORWARD, _detect.ULYSSES_STAND_INS),
+                                  (ULYSSES_ANYTHING_FORWARD, _detect.ULYSSES_ANYTHING_STAND_INS)):  # fmt: skip
             ulysses, name = lookup(target), target.partition(".")[0]
             if ulysses is None:
                 continue
-            shape = (_detect.BATCH, _detect.SEQ_Q, _detect.HEADS, _detect.HEAD_DIM)
-            mask = torch.ones(_detect.BATCH, 1, _detect.SEQ_Q, _detect.SEQ_Q, dtype=torch.bool)
-            call = dict(
-                degree=2, forward_op=forward, shape=shape, dtype=torch.bfloat16, ring_degree=1,
-                ulysses_anything=target == ULYSSES_ANYTHING_FORWARD,
-            )  # fmt: skip
-            entering = _detect.mask_entering(ulysses, mask, **call)
+            call = dict(degree=2, forward_op=forward, shape=shape, dtype=torch.bfloat16, ring_degree=1,
+                        ulysses_anything=target == ULYSSES_ANYTHING_FORWARD)  # fmt: skip
+            gathered = entering = _detect.mask_entering(ulysses, mask, **call)
             if isinstance(entering, str):
                 return Finding("unknown", f"{name}'s forward could not be run in one process ({entering})")
             # A bool mask may still enter a diffusers that converts it itself before its all-gather (the upstream
             # fix, upstream/cudnn_bool_mask): then what it gathers must be the additive mask. Run whole, at degree 1
             # (the check's head count is odd), with `forward` as diffusers' cuDNN op (as at run time, where the op
             # handed to Ulysses is the module's, whoever replaced it).
-            anything = target == ULYSSES_ANYTHING_FORWARD
-            stand_ins = _detect.ULYSSES_ANYTHING_STAND_INS if anything else _detect.ULYSSES_STAND_INS
-            gathered = (
-                entering
-                if entering.dtype == torch.bfloat16
-                else _detect.mask_gathered(
-                    ulysses,
-                    shipped_of(lookup, target),
-                    mask,
-                    stand_ins={**stand_ins, CUDNN_FORWARD: forward},
-                    **{**call, "degree": 1},
-                )
-            )
-            if not (
-                isinstance(gathered, torch.Tensor)
-                and torch.equal(gathered, torch.zeros_like(mask, dtype=torch.bfloat16))
-            ):
-                return Finding(
-                    "broken",
-                    f"a bool mask enters diffusers' {name} as {entering.dtype}, which torch.compile all-gathers "
-                    "into a wrongly typed buffer",
-                )
+            if entering.dtype != torch.bfloat16:
+                stand_ins = {**stand_ins, CUDNN_FORWARD: forward}
+                call["degree"] = 1
+                gathered = _detect.mask_gathered(ulysses, shipped_of(lookup, target), mask, stand_ins=stand_ins, **call)
+            additive = torch.zeros_like(mask, dtype=torch.bfloat16)
+            if not (isinstance(gathered, torch.Tensor) and torch.equal(gathered, additive)):
+                return Finding("broken", f"a bool mask enters diffusers' {name} as {entering.dtype}, which "
+                               "torch.compile all-gathers into a wrongly typed buffer")  # fmt: skip
     finally:
         _forced.mode = None
     return Finding(

@@ -19,18 +19,9 @@ from . import CUDNN_FORWARD
 
 
 def corrected_forward(
-    ctx: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    dropout_p: float,
-    is_causal: bool,
-    scale: float | None,
-    enable_gqa: bool,
-    return_lse: bool,
-    _save_ctx: bool,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+    dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool, return_lse: bool, _save_ctx: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """cuDNN attention forward for diffusers' templated attention, corrected: (B, S, H, D) in, ``out``
     (B, S, H, D) or ``(out, lse)`` out; saves what the shipped op saves, with the log-sum-exp whenever a
     backward may follow."""

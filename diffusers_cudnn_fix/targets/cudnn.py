@@ -22,7 +22,7 @@ import torch
 from .._detect import CUDNN_FORWARD_KERNEL, refuses_gqa
 from .._fix import Lookup
 from .._key_padding import restored, trim
-from .._layout import entering, realigned, realigned_all
+from .._layout import entering, realigned_all
 from ..fixes import CUDNN_BACKWARD, CUDNN_FORWARD
 from ..fixes.cudnn_backward_kv import corrected_backward
 from ..fixes.cudnn_bool_mask import mask_policy
@@ -56,19 +56,10 @@ def forward_op(shipped: Any, broken: frozenset[str], restoring: Any = None) -> A
     gqa_refused = refuses_gqa(shipped, CUDNN_FORWARD_KERNEL)
 
     def cudnn_attention_forward_op(
-        ctx: Any,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        scale: float | None = None,
-        enable_gqa: bool = False,
-        return_lse: bool = False,
-        _save_ctx: bool = True,
-        _parallel_config: Any = None,
-    ) -> Any:
+        ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+        return_lse: bool = False, _save_ctx: bool = True, _parallel_config: Any = None,
+    ) -> Any:  # fmt: skip
         if enable_gqa and gqa_refused:  # diffusers' own error for an input it rejects, not one of the guards'
             return shipped(
                 ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
@@ -94,7 +85,7 @@ def forward_op(shipped: Any, broken: frozenset[str], restoring: Any = None) -> A
             # A new per-call step on the mask the kernel gets goes here.
             # Views at an odd offset reach the kernel as they are on every release: hand it aligned memory.
             if attn_mask is not None:
-                attn_mask = realigned(attn_mask)
+                (attn_mask,) = realigned_all(attn_mask)
         if correct:
             return corrected_forward(
                 ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, _save_ctx
