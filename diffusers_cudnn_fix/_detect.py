@@ -457,7 +457,8 @@ FAKE_MESH = types.SimpleNamespace(get_group=lambda: None)
 
 
 class ReachedOp(Exception):
-    """Raised by :func:`call_ulysses`' stand-in attention op, with the mask it was handed."""
+    """Raised by :func:`call_ulysses`' stand-in attention op, with the mask it was handed (or by :func:`op_reached`'s
+    stand-in all-gather, with the tensor gathered)."""
 
     def __init__(self, mask: Any) -> None:
         super().__init__("the attention op was reached")
@@ -548,47 +549,29 @@ def mask_entering(
     return "the forward returned without asking for its process group"
 
 
-class ReachedGather(Exception):
-    """Raised by :func:`mask_gathered`'s stand-in all-gather, with the tensor it was handed."""
-
-    def __init__(self, tensor: Any) -> None:
-        super().__init__("the all-gather was reached")
-        self.tensor = tensor
-
-
 def _reach_gather(out: list[torch.Tensor], tensor: torch.Tensor, group: Any = None) -> None:
-    raise ReachedGather(tensor)
-
-
-def mask_gathered(forward: Any, shipped: Any, mask: torch.Tensor, *, stand_ins: dict[str, Any], **call: Any) -> Any:
-    """The tensor diffusers' Ulysses forward ``shipped`` (or ``forward``, a replacement calling it) all-gathers when
-    called with ``mask`` (:func:`call_ulysses` on :data:`FAKE_MESH` with ``call``; collectives: ``stand_ins``, whose
-    ``dist.all_gather`` is replaced by one that stops there); else a text saying what happened instead."""
-    dist = types.SimpleNamespace(**{**vars(stand_ins["dist"]), "all_gather": _reach_gather})
-    try:
-        call_ulysses(with_stand_ins(forward, shipped, **{**stand_ins, "dist": dist}), mask, FAKE_MESH, **call)
-    except ReachedGather as reached:
-        return reached.tensor
-    except Exception as exc:  # noqa: BLE001 - a refusal, or an unknown build: the caller decides
-        return f"{type(exc).__name__}: {exc}"
-    return "the forward returned without all-gathering the mask"
+    raise ReachedOp(tensor)
 
 
 def op_reached(
-    forward: Any, shipped: Any, mask: torch.Tensor, *, stand_ins: dict[str, Any] | None = None, **call: Any
-) -> ReachedOp | str:
-    """Call ``forward`` (diffusers' Ulysses forward ``shipped``, or a replacement calling it) with stand-in
+    forward: Any, shipped: Any, mask: torch.Tensor, *, stand_ins: dict[str, Any] | None = None, gather: bool = False,
+    **call: Any,
+) -> ReachedOp | str:  # fmt: skip
+    """Call ``forward`` (diffusers' Ulysses forward ``shipped``, or a replacement built around it) with stand-in
     collectives (:func:`with_stand_ins`; ``stand_ins``, default :data:`ULYSSES_STAND_INS`) and ``mask``
-    (:func:`call_ulysses` with ``call``): what its attention op raised, with the mask it was handed; else a text
-    saying what happened instead."""
+    (:func:`call_ulysses` on :data:`FAKE_MESH` with ``call``): what its attention op raised, with the mask it was
+    handed (``gather``: what stopped it at diffusers' all-gather of the mask, with the tensor gathered; the call's
+    ``forward_op`` then must not be the default); else a text saying what happened instead."""
+    overrides = dict(ULYSSES_STAND_INS if stand_ins is None else stand_ins)
+    if gather:
+        overrides["dist"] = types.SimpleNamespace(**{**vars(overrides["dist"]), "all_gather": _reach_gather})
     try:
-        run = with_stand_ins(forward, shipped, **(ULYSSES_STAND_INS if stand_ins is None else stand_ins))
-        call_ulysses(run, mask, FAKE_MESH, **call)
+        call_ulysses(with_stand_ins(forward, shipped, **overrides), mask, FAKE_MESH, **call)
     except ReachedOp as reached:
         return reached
     except Exception as exc:  # noqa: BLE001 - a refusal, or an unknown build: the caller decides
         return f"{type(exc).__name__}: {exc}"
-    return "the forward returned without calling the attention op"
+    return f"the forward returned without {'all-gathering the mask' if gather else 'calling the attention op'}"
 
 
 def run_ulysses_backward(backward: Any, shipped: Any) -> tuple[tuple[Any, ...] | None, str | None]:

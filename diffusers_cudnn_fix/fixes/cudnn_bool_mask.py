@@ -154,7 +154,10 @@ def check(lookup: Lookup) -> Finding:
             if entering.dtype != torch.bfloat16:
                 stand_ins = {**stand_ins, CUDNN_FORWARD: forward}
                 call["degree"] = 1
-                gathered = _detect.mask_gathered(ulysses, shipped_of(lookup, target), mask, stand_ins=stand_ins, **call)
+                reached = _detect.op_reached(
+                    ulysses, shipped_of(lookup, target), mask, stand_ins=stand_ins, gather=True, **call
+                )
+                gathered = reached if isinstance(reached, str) else reached.mask
             additive = torch.zeros_like(mask, dtype=torch.bfloat16)
             if not (isinstance(gathered, torch.Tensor) and torch.equal(gathered, additive)):
                 return Finding("broken", f"a bool mask enters diffusers' {name} as {entering.dtype}, which "
