@@ -37,12 +37,9 @@ POLICIES = FORWARD_POLICIES | BACKWARD_POLICIES
 
 
 def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
-    built = {}
-    if broken & BACKWARD_POLICIES:
-        built[CUDNN_BACKWARD] = backward_op(shipped(CUDNN_BACKWARD), broken)
-    if broken & FORWARD_POLICIES:
-        built[CUDNN_FORWARD] = forward_op(shipped(CUDNN_FORWARD), broken, built.get(CUDNN_BACKWARD))
-    return built
+    backward = backward_op(shipped(CUDNN_BACKWARD), broken) if broken & BACKWARD_POLICIES else None
+    built = {CUDNN_FORWARD: forward_op(shipped(CUDNN_FORWARD), broken, backward)} if broken & FORWARD_POLICIES else {}
+    return built if backward is None else {**built, CUDNN_BACKWARD: backward}
 
 
 def forward_op(shipped: Any, broken: frozenset[str], restoring: Any = None) -> Any:
@@ -60,38 +57,34 @@ def forward_op(shipped: Any, broken: frozenset[str], restoring: Any = None) -> A
         dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
         return_lse: bool = False, _save_ctx: bool = True, _parallel_config: Any = None,
     ) -> Any:  # fmt: skip
-        if enable_gqa and gqa_refused:  # diffusers' own error for an input it rejects, not one of the guards'
-            return shipped(
-                ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-                _save_ctx=_save_ctx, _parallel_config=_parallel_config,
-            )  # fmt: skip
-        entering(query)
-        if guarded:
-            # Under autocast, q/k/v in the autocast dtype, as F.scaled_dot_product_attention's autocast rule casts
-            # them: the raw op has no such rule, and a model under autocast hands it fp32 q/k from its norms.
-            if torch.is_autocast_enabled(query.device.type) and query.is_floating_point():
-                dtype = torch.get_autocast_dtype(query.device.type)
-                query, key, value = (x.to(dtype) if x.is_floating_point() else x for x in (query, key, value))
-            if dtypes:
-                refuse_unsupported_dtypes(query, key, value, None)
-            if masks and attn_mask is not None:
-                given, attn_mask = attn_mask, mask_policy(query, key, value, attn_mask)
-                if attn_mask is not None:  # a mask that only pads keys: the valid keys alone (convert mode)
-                    key, value, attn_mask = trim(
-                        ctx, query, key, value, given, attn_mask,
-                        dropout_p=dropout_p, is_causal=is_causal, save_ctx=_save_ctx, parallel_config=_parallel_config,
-                        restoring=restoring,
-                    )  # fmt: skip
-            # A new per-call step on the mask the kernel gets goes here.
-            # Views at an odd offset reach the kernel as they are on every release: hand it aligned memory.
-            if attn_mask is not None:
-                (attn_mask,) = realigned_all(attn_mask)
-        if correct:
-            return corrected_forward(
-                ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, _save_ctx
-            )
-        if guarded:
-            query, key, value = realigned_all(query, key, value)
+        # A call diffusers' op refuses itself (enable_gqa) goes to it untouched: its own error, not one of the guards'.
+        if not (enable_gqa and gqa_refused):
+            entering(query)
+            if guarded:
+                # Under autocast, q/k/v in the autocast dtype, as F.scaled_dot_product_attention's autocast rule casts
+                # them: the raw op has no such rule, and a model under autocast hands it fp32 q/k from its norms.
+                if torch.is_autocast_enabled(query.device.type) and query.is_floating_point():
+                    dtype = torch.get_autocast_dtype(query.device.type)
+                    query, key, value = (x.to(dtype) if x.is_floating_point() else x for x in (query, key, value))
+                if dtypes:
+                    refuse_unsupported_dtypes(query, key, value, None)
+                if masks and attn_mask is not None:
+                    given, attn_mask = attn_mask, mask_policy(query, key, value, attn_mask)
+                    if attn_mask is not None:  # a mask that only pads keys: the valid keys alone (convert mode)
+                        key, value, attn_mask = trim(
+                            ctx, query, key, value, given, attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            save_ctx=_save_ctx, parallel_config=_parallel_config, restoring=restoring,
+                        )  # fmt: skip
+                # A new per-call step on the mask the kernel gets goes here.
+                # Views at an odd offset reach the kernel as they are on every release: hand it aligned memory.
+                if attn_mask is not None:
+                    (attn_mask,) = realigned_all(attn_mask)
+            if correct:
+                return corrected_forward(
+                    ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, _save_ctx
+                )
+            if guarded:
+                query, key, value = realigned_all(query, key, value)
         return shipped(
             ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
             _save_ctx=_save_ctx, _parallel_config=_parallel_config,
