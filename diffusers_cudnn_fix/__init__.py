@@ -59,7 +59,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-from . import _hook, _switches
+from . import _hook, _switches, _target_names
 from ._switches import set_mask_mode, set_probe_mode
 from ._warnings import (
     DiffusersCudnnFixWarning,
@@ -80,22 +80,8 @@ if TYPE_CHECKING:
 __version__ = "0.3.0"
 
 #: What :func:`is_patched` and :func:`get_original` take: the attributes of
-#: ``diffusers.models.attention_dispatch`` the fixes may replace (``Class.method`` for a class attribute,
-#: ``Class.attr[key]`` for an entry of a dict such as the backend registry's),
-#: bare or with that module's dotted name before them. Kept here, not read off the fixes, so that the
-#: queries work without torch; tests/test_apply_revert.py checks it against the fixes' targets.
-TARGETS = (
-    "_cudnn_attention_forward_op",
-    "_cudnn_attention_backward_op",
-    "_native_flash_attention_forward_op",
-    "_native_flash_attention_backward_op",
-    "TemplatedRingAttention.forward",
-    "TemplatedRingAttention.backward",
-    "TemplatedUlyssesAttention.forward",
-    "TemplatedUlyssesAttention.backward",
-    "TemplatedUlyssesAnythingAttention.forward",
-    "_AttentionBackendRegistry._backends[_native_flash]",
-)
+#: ``diffusers.models.attention_dispatch`` the fixes may replace, bare or with that module's dotted name before them.
+TARGETS = _target_names.TARGETS
 
 __all__ = [
     "TARGETS",

@@ -9,8 +9,7 @@ backward kernel in the layout they reached the forward kernel, is the log-sum-ex
 will need it, does ``grad_out`` carry ``out``'s strides, what reaches the bias slot.
 
 Shapes are chosen so that every dimension differs (B=2, S_q=5, S_kv=7, H=3, D=8): any transposition shows
-up as a shape change. Also here, as the one module every fix imports: :func:`last_result`, the one-entry
-cache of the mask policies of ``cudnn_bool_mask`` and ``qwen_joint_mask_order``.
+up as a shape change.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,20 +26,22 @@ from packaging.version import Version
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._fix import Finding, Lookup
+from ._key_padding import remembered
 
 # Model layout (B, S, H, D) shapes used by the check. All distinct so that a swapped pair of dims is visible.
 BATCH, SEQ_Q, SEQ_KV, HEADS, HEAD_DIM = 2, 5, 7, 3, 8
 
-CUDNN_FORWARD = "cudnn_forward"
-CUDNN_BACKWARD = "cudnn_backward"
-FLASH_FORWARD = "flash_forward"
-FLASH_BACKWARD = "flash_backward"
+#: The watched ATen kernels as a trace names them (not targets: those are named in ``_target_names``).
+CUDNN_FORWARD_KERNEL = "cudnn_forward"
+CUDNN_BACKWARD_KERNEL = "cudnn_backward"
+FLASH_FORWARD_KERNEL = "flash_forward"
+FLASH_BACKWARD_KERNEL = "flash_backward"
 
 _WATCHED = {
-    "_scaled_dot_product_cudnn_attention": CUDNN_FORWARD,
-    "_scaled_dot_product_cudnn_attention_backward": CUDNN_BACKWARD,
-    "_scaled_dot_product_flash_attention": FLASH_FORWARD,
-    "_scaled_dot_product_flash_attention_backward": FLASH_BACKWARD,
+    "_scaled_dot_product_cudnn_attention": CUDNN_FORWARD_KERNEL,
+    "_scaled_dot_product_cudnn_attention_backward": CUDNN_BACKWARD_KERNEL,
+    "_scaled_dot_product_flash_attention": FLASH_FORWARD_KERNEL,
+    "_scaled_dot_product_flash_attention_backward": FLASH_BACKWARD_KERNEL,
 }
 
 #: Parameters of diffusers' templated forward ops (0.36.0 to 0.42.1 spell them the same way); the corrected
@@ -179,16 +179,10 @@ def check_mask(kind: str) -> torch.Tensor:
 
 
 def run_pair(
-    forward: Callable[..., Any],
-    backward: Callable[..., Any] | None,
-    *,
-    return_lse: bool,
-    mask: torch.Tensor | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    key_dtype: torch.dtype | None = None,
-    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    enable_gqa: bool = False,
-) -> Trace:
+    forward: Callable[..., Any], backward: Callable[..., Any] | None, *, return_lse: bool,
+    mask: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16, key_dtype: torch.dtype | None = None,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, enable_gqa: bool = False,
+) -> Trace:  # fmt: skip
     """Run ``forward`` (and ``backward`` on its output) on tiny CPU tensors and record the ATen calls.
 
     Called as diffusers' templated attention calls it in training. ``dtype``: of q (and k, v unless
@@ -218,11 +212,6 @@ def run_pair(
     return trace
 
 
-#: Set on the package's forward-op replacements: whether diffusers' op behind it refuses ``enable_gqa`` itself
-#: (:func:`refuses_gqa`), read by the Ulysses replacement to leave such a call to diffusers' own error.
-REFUSES_GQA = "refuses_gqa"
-
-
 def refuses_gqa(forward: Callable[..., Any], forward_op: str) -> bool:
     """Whether diffusers' forward op raises its own error for ``enable_gqa=True`` before reaching the ATen kernel
     ``forward_op`` (every release: "`enable_gqa` is not yet supported ..."). The replacements then hand such a
@@ -238,16 +227,16 @@ def _answer(name: str, args: dict[str, Any]) -> tuple[Any, ...]:
     are laid out like their inputs; the cuDNN forward returns no log-sum-exp when not asked for one (the
     real kernel does so; the meta kernel returns one regardless).
     """
-    if name in (CUDNN_BACKWARD, FLASH_BACKWARD):
+    if name in (CUDNN_BACKWARD_KERNEL, FLASH_BACKWARD_KERNEL):
         return tuple(torch.empty_like(args[n]) for n in ("query", "key", "value"))
     q, k = args["query"], args["key"]
     batch, heads, seq_q = q.shape[:3]
-    if name == CUDNN_FORWARD:
+    if name == CUDNN_FORWARD_KERNEL:
         lse_shape = (batch, heads, seq_q, 1) if cudnn_lse_ndim() == 4 else (batch, heads, seq_q)
         lse = torch.empty(lse_shape, dtype=torch.float32) if args.get("compute_log_sumexp") else None
         seed = torch.empty((), dtype=torch.int64)
         return (torch.empty_like(q), lse, None, None, seq_q, k.shape[2], seed, torch.empty_like(seed), None)
-    # FLASH_FORWARD: the log-sum-exp is always there, (B, H, S_q); then the rng state, an unused one, debug.
+    # FLASH_FORWARD_KERNEL: the log-sum-exp is always there, (B, H, S_q); then the rng state, an unused one, debug.
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32)
     rng = (torch.empty(2, dtype=torch.uint64), torch.empty((), dtype=torch.uint64), torch.empty(0, dtype=q.dtype))
     return (torch.empty_like(q), lse, None, None, seq_q, k.shape[2], *rng)
@@ -269,7 +258,7 @@ def check_backward_layout(forward: Any, backward: Any, forward_op: str, backward
     """Do q, k, v reach the backward kernel in the layout they reached the forward kernel?
 
     ``forward`` / ``backward``: the op pair (None where missing); ``forward_op`` / ``backward_op``: the
-    watched ATen ops they reach (``CUDNN_FORWARD``, ...). Runs with ``return_lse=True`` so that a missing
+    watched ATen ops they reach (``CUDNN_FORWARD_KERNEL``, ...). Runs with ``return_lse=True`` so that a missing
     log-sum-exp (a separate bug) cannot mask this one. Also checks that ``grad_out`` reaches the kernel with
     ``out``'s shape and strides and that the gradients come back in model layout.
     """
@@ -303,7 +292,7 @@ def check_backward_layout(forward: Any, backward: Any, forward_op: str, backward
 
 def check_forward_lse(forward: Any, *, forward_op: str) -> Finding:
     """Is the log-sum-exp computed when a backward will follow, while the caller gets what it asked for?"""
-    backward_op = CUDNN_BACKWARD if forward_op == CUDNN_FORWARD else FLASH_BACKWARD
+    backward_op = CUDNN_BACKWARD_KERNEL if forward_op == CUDNN_FORWARD_KERNEL else FLASH_BACKWARD_KERNEL
     if (problem := op_problem(forward) or aten_contract_problem(forward_op, backward_op)) is not None:
         return problem
     trace = run_pair(forward, None, return_lse=False)
@@ -399,7 +388,7 @@ def _difference(found: tuple[str, str] | None, known: tuple[str, str]) -> str:
 
 
 def aten_contract_problem(*ops: str) -> Finding | None:
-    """Why the running torch's ATen ops behind ``ops`` (``CUDNN_FORWARD``, ...) are not the ones the corrected
+    """Why the running torch's ATen ops behind ``ops`` (``CUDNN_FORWARD_KERNEL``, ...) are not the ones the corrected
     ops were written for ("unknown"), or None when they are: the one check every fix calling them consults."""
     for name in (aten for aten, op in _WATCHED.items() if op in ops):
         found, known = aten_signature(name), ATEN_SIGNATURES[name]
@@ -409,7 +398,7 @@ def aten_contract_problem(*ops: str) -> Finding | None:
                 f"torch {torch.__version__}'s aten::{name} {_difference(found, known)}, unlike every torch the "
                 "package was written for",
             )
-    if CUDNN_FORWARD in ops and _meta_lse_ndim() != cudnn_lse_ndim():
+    if CUDNN_FORWARD_KERNEL in ops and _meta_lse_ndim() != cudnn_lse_ndim():
         return Finding(
             "unknown",
             f"torch {torch.__version__}'s cuDNN attention returns a log-sum-exp of {_meta_lse_ndim()} dims (meta "
@@ -419,27 +408,8 @@ def aten_contract_problem(*ops: str) -> Finding | None:
 
 
 def last_result(compute: Callable[[torch.Tensor, Any], Any]) -> Callable[[torch.Tensor, Any], Any]:
-    """``compute(tensor, question)``, kept for the last tensor and question while the tensor lives unchanged: a
-    mask built once and handed to every layer is read, converted or reordered once. Computed every time while
-    compiling, and for an inference tensor (it has no version counter)."""
-    last: tuple[weakref.ref[torch.Tensor], int, Any, Any] | None = None
-
-    def forget(_: object) -> None:
-        nonlocal last
-        last = None  # the tensor is gone: do not keep what was computed from it alive
-
-    def once(tensor: torch.Tensor, question: Any) -> Any:
-        nonlocal last
-        if torch.compiler.is_compiling() or tensor.is_inference():
-            return compute(tensor, question)
-        kept = last
-        if kept is not None and kept[0]() is tensor and kept[1] == tensor._version and kept[2] == question:
-            return kept[3]
-        result = compute(tensor, question)
-        last = (weakref.ref(tensor, forget), tensor._version, question, result)
-        return result
-
-    return once
+    """``compute(tensor, question)`` through the one cache of the mask policies (``_key_padding.remembered``)."""
+    return functools.partial(remembered, compute)
 
 
 def with_globals(fn: Callable[..., Any], **overrides: Any) -> Callable[..., Any]:
@@ -457,17 +427,32 @@ def with_globals(fn: Callable[..., Any], **overrides: Any) -> Callable[..., Any]
 
 
 def with_stand_ins(fn: Callable[..., Any], shipped: Any, **overrides: Any) -> Callable[..., Any]:
-    """``fn`` running diffusers' code with ``overrides`` in place of some of its globals (the collectives).
+    """``fn`` running diffusers' function ``shipped`` with ``overrides`` in place of some of its globals (the
+    collectives): where ``fn`` is ``shipped``, a copy of it (:func:`with_globals`); where ``fn`` is a replacement
+    built around ``shipped`` (its builder's argument, held in its closure), the same replacement built around that
+    copy. Anything else runs as it is."""
+    if not (isinstance(fn, types.FunctionType) and isinstance(shipped, types.FunctionType)):
+        return fn
+    copy = with_globals(shipped, **overrides)
+    return copy if fn is shipped else (rebuilt_around(fn, shipped, copy) or fn)
 
-    ``fn`` is diffusers' own function (``shipped``): a copy of it (:func:`with_globals`). ``fn`` is a
-    replacement calling diffusers' function: it takes that function as its keyword ``_shipped``, and is handed
-    such a copy there. Anything else runs as it is.
-    """
-    if fn is shipped and isinstance(fn, types.FunctionType):
-        return with_globals(fn, **overrides)
-    if isinstance(shipped, types.FunctionType) and "_shipped" in (getattr(fn, "__kwdefaults__", None) or {}):
-        return functools.partial(fn, _shipped=with_globals(shipped, **overrides))
-    return fn
+
+def rebuilt_around(fn: Any, shipped: Any, inner: Any) -> types.FunctionType | None:
+    """The replacement ``fn`` built around ``inner`` instead of diffusers' ``shipped`` (the function its builder
+    was handed, held in its closure): the seam a builder is, used on a built replacement. None where ``fn`` holds
+    no ``shipped``."""
+    closure = getattr(fn, "__closure__", None) or ()
+    if not isinstance(fn, types.FunctionType) or not any(_content(cell) is shipped for cell in closure):
+        return None
+    cells = tuple(types.CellType(inner) if _content(cell) is shipped else cell for cell in closure)
+    return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+
+
+def _content(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 #: Stands in for a DeviceMesh in the class checks: the stand-in collectives ignore the group.
@@ -475,7 +460,8 @@ FAKE_MESH = types.SimpleNamespace(get_group=lambda: None)
 
 
 class ReachedOp(Exception):
-    """Raised by :func:`call_ulysses`' stand-in attention op, with the mask it was handed."""
+    """Raised by :func:`call_ulysses`' stand-in attention op, with the mask it was handed (or by :func:`op_reached`'s
+    stand-in all-gather, with the tensor gathered)."""
 
     def __init__(self, mask: Any) -> None:
         super().__init__("the attention op was reached")
@@ -513,17 +499,10 @@ def _reach_op(ctx: Any, query: Any, key: Any, value: Any, attn_mask: Any, *args:
 
 
 def call_ulysses(
-    forward: Any,
-    mask: torch.Tensor,
-    mesh: Any,
-    *,
-    degree: int,
-    forward_op: Any = _reach_op,
-    shape: tuple[int, ...] = (1, 4, 2, 8),
-    dtype: torch.dtype = torch.float32,
-    via: Callable[[Any, tuple[Any, ...]], Any] | None = None,
-    **extra: Any,
-) -> None:
+    forward: Any, mask: torch.Tensor, mesh: Any, *, degree: int, forward_op: Any = _reach_op,
+    shape: tuple[int, ...] = (1, 4, 2, 8), dtype: torch.dtype = torch.float32,
+    via: Callable[[Any, tuple[Any, ...]], Any] | None = None, **extra: Any,
+) -> None:  # fmt: skip
     """Call a Ulysses ``forward`` as diffusers' dispatch does in training, at Ulysses ``degree`` of 2 ranks on
     ``mesh`` (``extra``: more attributes of its config), with zero q/k/v of ``shape`` and ``mask``; raises what it
     raises (the default ``forward_op``: :class:`ReachedOp`). ``via(forward, args)``: the call's frame."""
@@ -539,16 +518,20 @@ def _call(forward: Any, args: tuple[Any, ...]) -> Any:
 
 
 def mask_entering(
-    forward: Any, mask: torch.Tensor, *, passes: tuple[type[Exception], ...] = (), **call: Any
+    forward: Any, shipped: Any, mask: torch.Tensor, *, passes: tuple[type[Exception], ...] = (), **call: Any
 ) -> torch.Tensor | str:
-    """The mask diffusers' own Ulysses forward receives when ``forward`` is called with ``mask``
+    """The mask diffusers' own Ulysses forward ``shipped`` receives when ``forward`` is called with ``mask``
     (:func:`call_ulysses` with ``call``): ``mask`` itself where ``forward`` is diffusers' own; where it is a
-    replacement, what it hands its keyword ``_shipped``, here a stand-in that stops there. Else a text saying what
-    happened instead. ``passes``: exceptions the caller handles itself (raised on, not turned into a text)."""
-    if "_shipped" not in (getattr(forward, "__kwdefaults__", None) or {}):
+    replacement, what it hands ``shipped``: the replacement is rebuilt around a stand-in that stops there
+    (:func:`rebuilt_around`). Else a text saying what happened instead. ``passes``: exceptions the caller
+    handles itself (raised on, not turned into a text)."""
+    if forward is shipped:
         return mask
+    stopping = rebuilt_around(forward, shipped, _reach_op)
+    if stopping is None:
+        return f"the forward is not a replacement built around diffusers' ({type(forward).__name__})"
     try:
-        call_ulysses(functools.partial(forward, _shipped=_reach_op), mask, FAKE_MESH, **call)
+        call_ulysses(stopping, mask, FAKE_MESH, **call)
     except passes:
         raise
     except ReachedOp as reached:
@@ -559,47 +542,29 @@ def mask_entering(
     return "the forward returned without calling diffusers' forward"
 
 
-class ReachedGather(Exception):
-    """Raised by :func:`mask_gathered`'s stand-in all-gather, with the tensor it was handed."""
-
-    def __init__(self, tensor: Any) -> None:
-        super().__init__("the all-gather was reached")
-        self.tensor = tensor
-
-
 def _reach_gather(out: list[torch.Tensor], tensor: torch.Tensor, group: Any = None) -> None:
-    raise ReachedGather(tensor)
-
-
-def mask_gathered(forward: Any, shipped: Any, mask: torch.Tensor, *, stand_ins: dict[str, Any], **call: Any) -> Any:
-    """The tensor diffusers' Ulysses forward ``shipped`` (or ``forward``, a replacement calling it) all-gathers when
-    called with ``mask`` (:func:`call_ulysses` on :data:`FAKE_MESH` with ``call``; collectives: ``stand_ins``, whose
-    ``dist.all_gather`` is replaced by one that stops there); else a text saying what happened instead."""
-    dist = types.SimpleNamespace(**{**vars(stand_ins["dist"]), "all_gather": _reach_gather})
-    try:
-        call_ulysses(with_stand_ins(forward, shipped, **{**stand_ins, "dist": dist}), mask, FAKE_MESH, **call)
-    except ReachedGather as reached:
-        return reached.tensor
-    except Exception as exc:  # noqa: BLE001 - a refusal, or an unknown build: the caller decides
-        return f"{type(exc).__name__}: {exc}"
-    return "the forward returned without all-gathering the mask"
+    raise ReachedOp(tensor)
 
 
 def op_reached(
-    forward: Any, shipped: Any, mask: torch.Tensor, *, stand_ins: dict[str, Any] | None = None, **call: Any
-) -> ReachedOp | str:
-    """Call ``forward`` (diffusers' Ulysses forward ``shipped``, or a replacement calling it) with stand-in
+    forward: Any, shipped: Any, mask: torch.Tensor, *, stand_ins: dict[str, Any] | None = None, gather: bool = False,
+    **call: Any,
+) -> ReachedOp | str:  # fmt: skip
+    """Call ``forward`` (diffusers' Ulysses forward ``shipped``, or a replacement built around it) with stand-in
     collectives (:func:`with_stand_ins`; ``stand_ins``, default :data:`ULYSSES_STAND_INS`) and ``mask``
-    (:func:`call_ulysses` with ``call``): what its attention op raised, with the mask it was handed; else a text
-    saying what happened instead."""
+    (:func:`call_ulysses` on :data:`FAKE_MESH` with ``call``): what its attention op raised, with the mask it was
+    handed (``gather``: what stopped it at diffusers' all-gather of the mask, with the tensor gathered; the call's
+    ``forward_op`` then must not be the default); else a text saying what happened instead."""
+    overrides = dict(ULYSSES_STAND_INS if stand_ins is None else stand_ins)
+    if gather:
+        overrides["dist"] = types.SimpleNamespace(**{**vars(overrides["dist"]), "all_gather": _reach_gather})
     try:
-        run = with_stand_ins(forward, shipped, **(ULYSSES_STAND_INS if stand_ins is None else stand_ins))
-        call_ulysses(run, mask, FAKE_MESH, **call)
+        call_ulysses(with_stand_ins(forward, shipped, **overrides), mask, FAKE_MESH, **call)
     except ReachedOp as reached:
         return reached
     except Exception as exc:  # noqa: BLE001 - a refusal, or an unknown build: the caller decides
         return f"{type(exc).__name__}: {exc}"
-    return "the forward returned without calling the attention op"
+    return f"the forward returned without {'all-gathering the mask' if gather else 'calling the attention op'}"
 
 
 def run_ulysses_backward(backward: Any, shipped: Any) -> tuple[tuple[Any, ...] | None, str | None]:

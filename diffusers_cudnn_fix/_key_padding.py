@@ -26,12 +26,31 @@ import torch.nn.functional as F
 
 from . import _switches
 
-#: Set on the backward op wrapper that scatters the K/V gradients back (``restored``): the forward trims only
-#: where the context's backward op carries it.
-RESTORES = "restores_key_padding"
 #: The autograd-context attribute that tells the backward what the forward trimmed.
 CTX_ATTR = "dcf_key_padding"
-_MAX_PLANS = 8
+_MAX_MASKS = 8
+# id(tensor) -> (the tensor, weakly; its version counter; {(compute, question): what it computed})
+_kept: dict[int, tuple[weakref.ref[torch.Tensor], int, dict[Any, Any]]] = {}
+
+
+def remembered(compute: Any, tensor: torch.Tensor, question: Any) -> Any:
+    """``compute(tensor, question)``, kept while ``tensor`` lives unchanged (its version counter): a mask built once
+    and handed to every layer is converted, planned or reordered once. The one cache of the mask policies, a few
+    masks deep (a model alternating masks keeps both). Computed every time while compiling, and for an inference
+    tensor (it has no version counter)."""
+    if torch.compiler.is_compiling() or tensor.is_inference():
+        return compute(tensor, question)
+    key = id(tensor)
+    entry = _kept.get(key)
+    if entry is None or entry[0]() is not tensor or entry[1] != tensor._version:
+        if len(_kept) >= _MAX_MASKS:
+            _kept.clear()
+        # The tensor gone, so is what was computed from it (and its id may be reused).
+        entry = _kept[key] = (weakref.ref(tensor, lambda _: _kept.pop(key, None)), tensor._version, {})
+    answers = entry[2]
+    if (compute, question) not in answers:
+        answers[compute, question] = compute(tensor, question)
+    return answers[compute, question]
 
 
 class Plan(NamedTuple):
@@ -48,8 +67,6 @@ class Plan(NamedTuple):
 
 _BIAS = Plan("bias")
 _ALL = Plan("all")
-# id(mask) -> (the mask, weakly; its version counter; the bias dtype; the plan)
-_plans: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.dtype, Plan]] = {}
 
 
 def plan(mask: torch.Tensor, dtype: torch.dtype) -> Plan:
@@ -86,21 +103,13 @@ def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def trim(
-    ctx: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    given: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    dropout_p: float,
-    is_causal: bool,
-    save_ctx: bool,
-    parallel_config: Any,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, given: torch.Tensor, mask: torch.Tensor, *,
+    dropout_p: float, is_causal: bool, save_ctx: bool, parallel_config: Any, restoring: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """(key, value, mask) for diffusers' cuDNN forward op: trimmed to the valid keys where ``given`` (the mask
-    as it reached the op) only pads keys, else as they came. ``mask`` is ``given`` after the mask policy; the
-    keywords are the op's own arguments. Records on ``ctx`` what ``restored`` needs."""
+        as it reached the op) only pads keys, else as they came. ``mask`` is ``given`` after the mask policy; the
+        keywords are the op's own arguments, and ``restoring`` the backward op that scatters the K/V gradients back
+    (:func:`restored`), or None. Records on ``ctx`` what ``restored`` needs."""
     if torch.compiler.is_compiling() or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
         return key, value, mask
     if ctx is not None:
@@ -118,19 +127,12 @@ def trim(
         # Ring attention hands the op K/V chunks (and refuses masks).
         or getattr(getattr(parallel_config, "context_parallel_config", None), "ring_degree", 1) > 1
         # The backward that will run could not scatter the K/V gradients back.
-        or (save_ctx and not getattr(getattr(ctx, "backward_op", None), RESTORES, False))
+        or (save_ctx and (restoring is None or getattr(ctx, "backward_op", None) is not restoring))
         # Only in convert mode (warn: as upstream; error: bool masks never get here); mask_mode() without its frame.
         or _switches._choice(_switches.MASK_VAR) != "convert"
     ):
         return key, value, mask
-    entry = _plans.get(id(given))
-    if entry is not None and entry[0]() is given and entry[1] == given._version and entry[2] == mask.dtype:
-        found = entry[3]
-    else:
-        found = plan(given, mask.dtype)
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[id(given)] = (weakref.ref(given, _forget(id(given))), given._version, mask.dtype, found)
+    found = remembered(plan, given, mask.dtype)
     kind = found.kind
     if kind == "bias" or (found.n == 1 and query.shape[1] == 1):  # cuDNN refuses S_q = S_kv = 1
         return key, value, mask
@@ -148,13 +150,6 @@ def trim(
     if ctx is not None and save_ctx:
         setattr(ctx, CTX_ATTR, (seq, found))
     return key, value, found.bias
-
-
-def _forget(key: int) -> Any:
-    def forget(_: object) -> None:
-        _plans.pop(key, None)  # the mask is gone: so is its plan (and its id may be reused)
-
-    return forget
 
 
 def restored(ctx: Any, grads: Any) -> Any:

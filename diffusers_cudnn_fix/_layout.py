@@ -31,17 +31,6 @@ def aligned(x: torch.Tensor) -> bool:
     )
 
 
-def realigned(x: torch.Tensor) -> torch.Tensor:
-    """``x``, or a dense copy of it where its data pointer is not on 16 bytes (a view at an odd offset, say:
-    even a contiguous one, which ``.contiguous()`` would hand on as it is). On every device, so that the
-    behavioural checks see on the CPU what the GPU kernels get. While compiling the pointer cannot be read, so
-    it is always a copy there; inductor may still drop a copy it finds redundant, which is why the shapes where
-    a view reaches the kernel as it is (one head or one query position) are refused while compiling."""
-    if not torch.compiler.is_compiling() and x.data_ptr() % ALIGNMENT == 0:
-        return x
-    return x.clone(memory_format=torch.contiguous_format)
-
-
 def entering(query: torch.Tensor) -> None:
     """What every replaced forward op does first: hand a CUDA device to the GPU probe (once per device), and
     inside a ``torch.compile`` graph refuse q with one head or one query position (model layout).
@@ -63,7 +52,12 @@ def entering(query: torch.Tensor) -> None:
 
 
 def realigned_all(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """:func:`realigned` of each of ``xs`` in one call: a loop, not a generator (no Python frame per tensor)."""
+    """Each of ``xs``, or a dense copy of it where its data pointer is not on 16 bytes (a view at an odd offset,
+    say: even a contiguous one, which ``.contiguous()`` would hand on as it is), in one call: a loop, not a
+    generator (no Python frame per tensor). On every device, so that the behavioural checks see on the CPU what
+    the GPU kernels get. While compiling the pointer cannot be read, so it is always a copy there; inductor may
+    still drop a copy it finds redundant, which is why the shapes where a view reaches the kernel as it is (one
+    head or one query position) are refused while compiling."""
     compiling = torch.compiler.is_compiling()
     out = []
     for x in xs:

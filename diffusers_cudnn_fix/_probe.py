@@ -175,8 +175,8 @@ def _run_all(module: types.ModuleType | None, device: torch.device) -> tuple[lis
         if all(getattr(module, name, None) is not None for name in names)
         for case in CASES
     ]
-    if not (_registry.is_patched(CUDNN_FORWARD) and getattr(getattr(module, CUDNN_FORWARD, None), "zero_copy", False)):
-        return cases, False  # only our corrected cuDNN forward can hand the kernel views
+    if not any(fix.id == "cudnn_forward_lse" and fix.applied for fix in _registry.status().fixes):
+        return cases, False  # only the corrected cuDNN forward (cudnn_forward_lse's) hands the kernel views
     with _devices.trying_views():
         cases += [_run_case(module, "cudnn", case, device, "zero-copy views") for case in CASES]
     return cases, all(c.passed for c in cases if c.backend == "cudnn")  # the copies and the views

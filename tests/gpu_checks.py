@@ -169,13 +169,12 @@ def one_key_masked_rows() -> dict[str, Any]:
     # The control: the backward the package builds without the masked-row policy (with the K/V correction where
     # the installed one has it); None where no backward of the package's is installed.
     from diffusers_cudnn_fix.targets import cudnn as cudnn_target
-    from diffusers_cudnn_fix.targets import ring as ring_target
 
     unguarded = None
-    if diffusers_cudnn_fix.is_patched(cudnn_target.BACKWARD):
-        corrected = ring_target.STEP_OPS.get(backward, False)
+    if diffusers_cudnn_fix.is_patched(cudnn_target.CUDNN_BACKWARD):
+        corrected = any(f.id == "cudnn_backward_kv" and f.applied for f in diffusers_cudnn_fix.status().fixes)
         policies = frozenset({"cudnn_backward_kv"} if corrected else ())
-        unguarded = cudnn_target.backward_op(diffusers_cudnn_fix.get_original(cudnn_target.BACKWARD), policies)
+        unguarded = cudnn_target.backward_op(diffusers_cudnn_fix.get_original(cudnn_target.CUDNN_BACKWARD), policies)
     gen = torch.Generator(device=DEVICE).manual_seed(11)
     q, grad = (torch.randn(2, 7, 3, 32, generator=gen, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(2, 1, 3, 32, generator=gen, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))

@@ -32,15 +32,15 @@ def test_answers_match_the_meta_kernels(seq_q: int, seq_kv: int, heads: int) -> 
     q, k, v = _meta(batch, heads, seq_q, dim), _meta(batch, heads, seq_kv, dim), _meta(batch, heads, seq_kv, dim)
     aten = torch.ops.aten
     checks = {
-        _detect.CUDNN_FORWARD: (aten._scaled_dot_product_cudnn_attention(q, k, v, None, True), (0, 1, 4, 5)),
-        _detect.FLASH_FORWARD: (aten._scaled_dot_product_flash_attention(q, k, v), (0, 1, 4, 5)),
+        _detect.CUDNN_FORWARD_KERNEL: (aten._scaled_dot_product_cudnn_attention(q, k, v, None, True), (0, 1, 4, 5)),
+        _detect.FLASH_FORWARD_KERNEL: (aten._scaled_dot_product_flash_attention(q, k, v), (0, 1, 4, 5)),
     }
     for op, (meta_out, compared) in checks.items():
         cpu = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in (("query", q), ("key", k), ("value", v))}
         answer = _detect._answer(op, {**cpu, "compute_log_sumexp": True})
         for i in compared:  # output, log-sum-exp, max_q, max_k
             assert _layout(answer[i]) == _layout(meta_out[i]), (op, i)
-    grads = _detect._answer(_detect.CUDNN_BACKWARD, {"query": q, "key": k, "value": v})
+    grads = _detect._answer(_detect.CUDNN_BACKWARD_KERNEL, {"query": q, "key": k, "value": v})
     assert [_layout(g) for g in grads] == [_layout(t) for t in (q, k, v)]
 
 
@@ -71,7 +71,7 @@ def test_calls_are_recorded_however_they_are_spelled(dispatch_module: types.Modu
     namespace: dict = {}
     exec(compile(ALIASED_OP, "<aliased>", "exec"), namespace)
     trace = _detect.run_pair(namespace["forward"], None, return_lse=return_lse)
-    call = trace.first(_detect.CUDNN_FORWARD)
+    call = trace.first(_detect.CUDNN_FORWARD_KERNEL)
     assert call is not None, trace.error
     assert call.tensor("query").shape == _detect.kernel_shapes()["query"]
     # The schema's defaults are filled in, so readers see every argument whichever way it was passed.
@@ -82,7 +82,7 @@ def test_the_check_leaves_the_checked_functions_untouched(dispatch_module: types
     forward = dispatch_module._cudnn_attention_forward_op
     globals_before = dict(forward.__globals__)
     trace = _detect.run_pair(forward, None, return_lse=False)
-    assert trace.first(_detect.CUDNN_FORWARD) is not None
+    assert trace.first(_detect.CUDNN_FORWARD_KERNEL) is not None
     assert forward.__globals__["torch"] is torch
     assert dict(forward.__globals__) == globals_before
 

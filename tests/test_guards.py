@@ -582,7 +582,9 @@ def test_a_fully_masked_row_with_one_key_gets_right_gradients(patched, fill: str
     from diffusers_cudnn_fix.targets import cudnn
 
     # The control: the replacement built without the masked-row policy (the K/V correction only).
-    unguarded_op = cudnn.backward_op(diffusers_cudnn_fix.get_original(cudnn.BACKWARD), frozenset({"cudnn_backward_kv"}))
+    unguarded_op = cudnn.backward_op(
+        diffusers_cudnn_fix.get_original(cudnn.CUDNN_BACKWARD), frozenset({"cudnn_backward_kv"})
+    )
     unguarded = _one_key_pair(patched, unguarded_op, mask)
     assert unguarded["out"] < 0.02 and max(unguarded["dq"], unguarded["dk"], unguarded["dv"]) > 0.2, unguarded
 

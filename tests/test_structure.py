@@ -19,6 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "diffusers_cudnn_fix"
 # package parts, which import each other through fixes/__init__ only).
 LAYERS = {
     "_warnings": 0,
+    "_target_names": 0,
     "_switches": 1,
     "_devices": 1,
     "_fix": 1,

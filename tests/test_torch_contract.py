@@ -19,7 +19,12 @@ from releases import release_dir, run
 
 from diffusers_cudnn_fix import _detect
 
-ALL_OPS = (_detect.CUDNN_FORWARD, _detect.CUDNN_BACKWARD, _detect.FLASH_FORWARD, _detect.FLASH_BACKWARD)
+ALL_OPS = (
+    _detect.CUDNN_FORWARD_KERNEL,
+    _detect.CUDNN_BACKWARD_KERNEL,
+    _detect.FLASH_FORWARD_KERNEL,
+    _detect.FLASH_BACKWARD_KERNEL,
+)
 
 
 def test_the_running_torch_has_the_known_ops() -> None:
@@ -72,7 +77,9 @@ def test_a_changed_cudnn_forward_schema_is_unknown(dispatch_module, monkeypatch,
 
 def test_a_log_sum_exp_of_another_rank_is_unknown(dispatch_module, monkeypatch) -> None:
     monkeypatch.setattr(_detect, "cudnn_lse_ndim", lambda: 7 - _detect._meta_lse_ndim())  # 4 <-> 3
-    finding = _detect.check_forward_lse(dispatch_module._cudnn_attention_forward_op, forward_op=_detect.CUDNN_FORWARD)
+    finding = _detect.check_forward_lse(
+        dispatch_module._cudnn_attention_forward_op, forward_op=_detect.CUDNN_FORWARD_KERNEL
+    )
     assert finding.state == "unknown" and "log-sum-exp" in finding.detail, finding
 
 

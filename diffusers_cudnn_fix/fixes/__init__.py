@@ -6,19 +6,18 @@ from __future__ import annotations
 
 from .._fix import Fix
 from .._switches import mask_mode
-
-CUDNN_FORWARD = "_cudnn_attention_forward_op"
-CUDNN_BACKWARD = "_cudnn_attention_backward_op"
-FLASH_FORWARD = "_native_flash_attention_forward_op"
-FLASH_BACKWARD = "_native_flash_attention_backward_op"
-#: The ``_native_flash`` backend as diffusers' dispatch reaches it: its entry in the backend registry (a target
-#: ``Holder.attr[key]`` is the entry ``key`` of the dict ``Holder.attr``).
-FLASH_BACKEND = "_AttentionBackendRegistry._backends[_native_flash]"
-ULYSSES_FORWARD = "TemplatedUlyssesAttention.forward"
-ULYSSES_BACKWARD = "TemplatedUlyssesAttention.backward"
-ULYSSES_ANYTHING_FORWARD = "TemplatedUlyssesAnythingAttention.forward"
-RING_FORWARD = "TemplatedRingAttention.forward"
-RING_BACKWARD = "TemplatedRingAttention.backward"
+from .._target_names import (
+    CUDNN_BACKWARD,
+    CUDNN_FORWARD,
+    FLASH_BACKEND,
+    FLASH_BACKWARD,
+    FLASH_FORWARD,
+    RING_BACKWARD,
+    RING_FORWARD,
+    ULYSSES_ANYTHING_FORWARD,
+    ULYSSES_BACKWARD,
+    ULYSSES_FORWARD,
+)
 
 PR_14274 = "https://github.com/huggingface/diffusers/pull/14274"
 

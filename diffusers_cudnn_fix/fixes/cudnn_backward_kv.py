@@ -15,9 +15,9 @@ import torch
 from .. import _detect
 from .._fix import Finding, Lookup
 from .._layout import lse_with_ndim, reject_per_step_tensors, with_strides_of
+from . import CUDNN_BACKWARD, CUDNN_FORWARD
 
 FIX_ID = "cudnn_backward_kv"
-TARGET = "_cudnn_attention_backward_op"
 
 LSE_MISSING = (
     "diffusers_cudnn_fix: the cuDNN attention forward saved no log-sum-exp, so its backward would return "
@@ -59,5 +59,7 @@ def corrected_backward(ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: A
 
 
 def check(lookup: Lookup) -> Finding:
-    forward = lookup("_cudnn_attention_forward_op")
-    return _detect.check_backward_layout(forward, lookup(TARGET), _detect.CUDNN_FORWARD, _detect.CUDNN_BACKWARD)
+    forward = lookup(CUDNN_FORWARD)
+    return _detect.check_backward_layout(
+        forward, lookup(CUDNN_BACKWARD), _detect.CUDNN_FORWARD_KERNEL, _detect.CUDNN_BACKWARD_KERNEL
+    )

@@ -17,11 +17,10 @@ import torch
 
 from .. import _detect, _switches, _warnings
 from .._fix import Finding, Lookup, shipped_of
+from .._key_padding import remembered
 from .._warnings import MaskConvertedWarning, MaskMisreadWarning, UnsafeAttentionError
+from . import CUDNN_BACKWARD, CUDNN_FORWARD, ULYSSES_ANYTHING_FORWARD, ULYSSES_FORWARD
 
-TARGET = "_cudnn_attention_forward_op"
-ULYSSES = "TemplatedUlyssesAttention.forward"
-ULYSSES_ANYTHING = "TemplatedUlyssesAnythingAttention.forward"
 ISSUE = "huggingface/diffusers#14342"
 
 
@@ -34,10 +33,6 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     return mask.to(dtype)
-
-
-# The last conversion: a mask built once and reused by every layer is converted once.
-_converted = _detect.last_result(additive_mask)
 
 
 def _warn_once(category: type[_warnings.DiffusersCudnnFixWarning], message: str) -> None:
@@ -88,7 +83,7 @@ def mask_policy(
                 f"{_reached(attn_mask, dtype)}; it was converted to an additive {dtype} mask. {_switches.MASK_VAR}="
                 "warn passes masks through as diffusers does, =error refuses them (shown once per process).",
             )
-        return _converted(attn_mask, dtype)
+        return remembered(additive_mask, attn_mask, dtype)
     if MaskMisreadWarning not in _warned:
         _warn_once(
             MaskMisreadWarning,
@@ -111,7 +106,7 @@ def _bias(trace: _detect.Trace, op: str) -> Any:
 
 
 def check(lookup: Lookup) -> Finding:
-    forward, backward = lookup(TARGET), lookup("_cudnn_attention_backward_op")
+    forward, backward = lookup(CUDNN_FORWARD), lookup(CUDNN_BACKWARD)
     if (problem := _detect.op_problem(forward, backward)) is not None:
         return problem
     want = _detect.check_mask("float32").to(torch.bfloat16)
@@ -123,61 +118,50 @@ def check(lookup: Lookup) -> Finding:
             trace = _detect.run_pair(
                 forward, backward if kind == "bool" else None, return_lse=True, mask=_detect.check_mask(kind)
             )
-            if trace.first(_detect.CUDNN_FORWARD) is None:
+            if trace.first(_detect.CUDNN_FORWARD_KERNEL) is None:
                 return Finding("unknown", f"with a {kind} mask the forward never reached the kernel ({trace.error})")
-            fwd = _bias(trace, _detect.CUDNN_FORWARD)
+            fwd = _bias(trace, _detect.CUDNN_FORWARD_KERNEL)
             if not isinstance(fwd, torch.Tensor) or fwd.dtype != torch.bfloat16:
                 found = getattr(fwd, "dtype", fwd)
                 return Finding("broken", f"a {kind} mask reaches the cuDNN kernel's bias as {found} with bf16 q")
             if not torch.equal(fwd, want):
                 return Finding("broken", f"a {kind} mask reaches the kernel converted to the wrong values")
             if kind == "bool":
-                bwd = _bias(trace, _detect.CUDNN_BACKWARD)
+                bwd = _bias(trace, _detect.CUDNN_BACKWARD_KERNEL)
                 if bwd is not fwd and not (isinstance(bwd, torch.Tensor) and torch.equal(bwd, fwd)):
                     return Finding("broken", "the backward kernel gets another bias than the forward")
         trace = _detect.run_pair(forward, None, return_lse=True, mask=_detect.check_mask("int64"))
-        if trace.first(_detect.CUDNN_FORWARD) is not None:
+        if trace.first(_detect.CUDNN_FORWARD_KERNEL) is not None:
             return Finding("broken", "an integer mask reaches the cuDNN kernel's bias")
         # Where the mask enters diffusers' Ulysses attention (the plain class, and 0.37+'s ulysses_anything one),
         # before it may be all-gathered.
-        for target in (ULYSSES, ULYSSES_ANYTHING):
+        shape = (_detect.BATCH, _detect.SEQ_Q, _detect.HEADS, _detect.HEAD_DIM)
+        mask = torch.ones(_detect.BATCH, 1, _detect.SEQ_Q, _detect.SEQ_Q, dtype=torch.bool)
+        for target, stand_ins in ((ULYSSES_FORWARD, _detect.ULYSSES_STAND_INS),
+                                  (ULYSSES_ANYTHING_FORWARD, _detect.ULYSSES_ANYTHING_STAND_INS)):  # fmt: skip
             ulysses, name = lookup(target), target.partition(".")[0]
             if ulysses is None:
                 continue
-            shape = (_detect.BATCH, _detect.SEQ_Q, _detect.HEADS, _detect.HEAD_DIM)
-            mask = torch.ones(_detect.BATCH, 1, _detect.SEQ_Q, _detect.SEQ_Q, dtype=torch.bool)
-            call = dict(
-                degree=2, forward_op=forward, shape=shape, dtype=torch.bfloat16, ring_degree=1,
-                ulysses_anything=target == ULYSSES_ANYTHING,
-            )  # fmt: skip
-            entering = _detect.mask_entering(ulysses, mask, **call)
+            call = dict(degree=2, forward_op=forward, shape=shape, dtype=torch.bfloat16, ring_degree=1,
+                        ulysses_anything=target == ULYSSES_ANYTHING_FORWARD)  # fmt: skip
+            gathered = entering = _detect.mask_entering(ulysses, shipped_of(lookup, target), mask, **call)
             if isinstance(entering, str):
                 return Finding("unknown", f"{name}'s forward could not be run in one process ({entering})")
             # A bool mask may still enter a diffusers that converts it itself before its all-gather (the upstream
             # fix, upstream/cudnn_bool_mask): then what it gathers must be the additive mask. Run whole, at degree 1
             # (the check's head count is odd), with `forward` as diffusers' cuDNN op (as at run time, where the op
             # handed to Ulysses is the module's, whoever replaced it).
-            stand_ins = _detect.ULYSSES_ANYTHING_STAND_INS if target == ULYSSES_ANYTHING else _detect.ULYSSES_STAND_INS
-            gathered = (
-                entering
-                if entering.dtype == torch.bfloat16
-                else _detect.mask_gathered(
-                    ulysses,
-                    shipped_of(lookup, target),
-                    mask,
-                    stand_ins={**stand_ins, TARGET: forward},
-                    **{**call, "degree": 1},
+            if entering.dtype != torch.bfloat16:
+                stand_ins = {**stand_ins, CUDNN_FORWARD: forward}
+                call["degree"] = 1
+                reached = _detect.op_reached(
+                    ulysses, shipped_of(lookup, target), mask, stand_ins=stand_ins, gather=True, **call
                 )
-            )
-            if not (
-                isinstance(gathered, torch.Tensor)
-                and torch.equal(gathered, torch.zeros_like(mask, dtype=torch.bfloat16))
-            ):
-                return Finding(
-                    "broken",
-                    f"a bool mask enters diffusers' {name} as {entering.dtype}, which torch.compile all-gathers "
-                    "into a wrongly typed buffer",
-                )
+                gathered = reached if isinstance(reached, str) else reached.mask
+            additive = torch.zeros_like(mask, dtype=torch.bfloat16)
+            if not (isinstance(gathered, torch.Tensor) and torch.equal(gathered, additive)):
+                return Finding("broken", f"a bool mask enters diffusers' {name} as {entering.dtype}, which "
+                               "torch.compile all-gathers into a wrongly typed buffer")  # fmt: skip
     finally:
         _forced.mode = None
     return Finding(

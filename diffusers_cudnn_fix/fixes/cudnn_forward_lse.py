@@ -15,23 +15,13 @@ import torch
 from .. import _detect
 from .._fix import Finding, Lookup
 from .._layout import backward_may_follow, kernel_layout
-
-TARGET = "_cudnn_attention_forward_op"
+from . import CUDNN_FORWARD
 
 
 def corrected_forward(
-    ctx: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    dropout_p: float,
-    is_causal: bool,
-    scale: float | None,
-    enable_gqa: bool,
-    return_lse: bool,
-    _save_ctx: bool,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+    dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool, return_lse: bool, _save_ctx: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """cuDNN attention forward for diffusers' templated attention, corrected: (B, S, H, D) in, ``out``
     (B, S, H, D) or ``(out, lse)`` out; saves what the shipped op saves, with the log-sum-exp whenever a
     backward may follow."""
@@ -90,4 +80,4 @@ def no_kernel_message(device: torch.device) -> str:
 
 
 def check(lookup: Lookup) -> Finding:
-    return _detect.check_forward_lse(lookup(TARGET), forward_op=_detect.CUDNN_FORWARD)
+    return _detect.check_forward_lse(lookup(CUDNN_FORWARD), forward_op=_detect.CUDNN_FORWARD_KERNEL)

@@ -14,8 +14,8 @@ import torch
 from .. import _detect
 from .._fix import Finding, Lookup
 from .._warnings import UnsafeAttentionError
+from . import CUDNN_FORWARD
 
-TARGET = "_cudnn_attention_forward_op"
 _SUPPORTED = (torch.float16, torch.bfloat16)
 
 
@@ -35,13 +35,13 @@ def refuse_unsupported_dtypes(
 
 
 def check(lookup: Lookup) -> Finding:
-    forward = lookup(TARGET)
+    forward = lookup(CUDNN_FORWARD)
     if (problem := _detect.op_problem(forward)) is not None:
         return problem
     cases = {"fp32 q/k/v": (torch.float32, None), "bf16 q with fp16 k/v": (torch.bfloat16, torch.float16)}
     for label, (dtype, key_dtype) in cases.items():
         trace = _detect.run_pair(forward, None, return_lse=True, dtype=dtype, key_dtype=key_dtype)
-        if trace.first(_detect.CUDNN_FORWARD) is not None:
+        if trace.first(_detect.CUDNN_FORWARD_KERNEL) is not None:
             return Finding("broken", f"{label} reach the cuDNN kernel")
         if trace.error is None:
             return Finding("unknown", f"with {label} the forward neither reached the kernel nor raised")

@@ -16,8 +16,8 @@ import torch
 
 from .. import _detect
 from .._fix import Finding, Lookup
+from . import CUDNN_BACKWARD, CUDNN_FORWARD
 
-TARGET = "_cudnn_attention_backward_op"
 #: The kernels compute the softmax as exp2(score * log2(e) - max).
 _LOG2E = 1.4426950408889634
 
@@ -44,7 +44,7 @@ def without_masked_rows(grad_out: torch.Tensor, mask: Any) -> torch.Tensor:
 
 
 def check(lookup: Lookup) -> Finding:
-    forward, backward = lookup("_cudnn_attention_forward_op"), lookup(TARGET)
+    forward, backward = lookup(CUDNN_FORWARD), lookup(CUDNN_BACKWARD)
     if (problem := _detect.op_problem(forward, backward)) is not None:
         return problem
     b, s_q, h, d = _detect.BATCH, _detect.SEQ_Q, _detect.HEADS, _detect.HEAD_DIM
@@ -53,7 +53,7 @@ def check(lookup: Lookup) -> Finding:
     mask = torch.zeros(b, 1, s_q, 1, dtype=torch.bfloat16)
     mask[:, :, -1] = float("-inf")  # the last query row sees no key
     trace = _detect.run_pair(forward, backward, return_lse=True, mask=mask, qkv=(q, k, v))  # grad_out: ones
-    call = trace.first(_detect.CUDNN_BACKWARD)
+    call = trace.first(_detect.CUDNN_BACKWARD_KERNEL)
     if call is None:
         return Finding("unknown", f"the backward never reached the cuDNN kernel ({trace.error or 'no call'})")
     grad_out = call.args.get("grad_out")

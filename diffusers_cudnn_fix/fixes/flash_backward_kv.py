@@ -15,9 +15,9 @@ import torch
 from .. import _detect, _devices
 from .._fix import Finding, Lookup
 from .._layout import reject_per_step_tensors, with_strides_of
+from . import FLASH_BACKWARD, FLASH_FORWARD
 
 FIX_ID = "flash_backward_kv"
-TARGET = "_native_flash_attention_backward_op"
 
 
 def corrected_backward(ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
@@ -51,5 +51,7 @@ def corrected_backward(ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: A
 
 
 def check(lookup: Lookup) -> Finding:
-    forward = lookup("_native_flash_attention_forward_op")
-    return _detect.check_backward_layout(forward, lookup(TARGET), _detect.FLASH_FORWARD, _detect.FLASH_BACKWARD)
+    forward = lookup(FLASH_FORWARD)
+    return _detect.check_backward_layout(
+        forward, lookup(FLASH_BACKWARD), _detect.FLASH_FORWARD_KERNEL, _detect.FLASH_BACKWARD_KERNEL
+    )

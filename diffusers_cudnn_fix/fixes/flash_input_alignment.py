@@ -16,19 +16,18 @@ import torch
 from .. import _detect
 from .._fix import Finding, Lookup
 from .._layout import ALIGNMENT
-
-TARGET = "_native_flash_attention_forward_op"
+from . import FLASH_FORWARD
 
 
 def check(lookup: Lookup) -> Finding:
-    forward = lookup(TARGET)
+    forward = lookup(FLASH_FORWARD)
     if (problem := _detect.op_problem(forward)) is not None:
         return problem
     # (B, S, H=1, D) bf16 q/k/v, each a contiguous view one element past the start of its buffer.
     shape = (_detect.BATCH, _detect.SEQ_Q, 1, _detect.HEAD_DIM)
     q, k, v = (torch.empty(math.prod(shape) + 1, dtype=torch.bfloat16)[1:].view(shape) for _ in range(3))
     trace = _detect.run_pair(forward, None, return_lse=False, qkv=(q, k, v))
-    call = trace.first(_detect.FLASH_FORWARD)
+    call = trace.first(_detect.FLASH_FORWARD_KERNEL)
     if call is None:
         return Finding("unknown", f"the flash forward never reached the kernel ({trace.error})")
     off = [n for n in ("query", "key", "value") if call.args[n].data_ptr() % ALIGNMENT != 0]

@@ -266,7 +266,9 @@ def _check_forward(lookup: Lookup, target: str, stand_ins: dict[str, Any] | None
     # diffusers' forward hands the op the mask as it came: what reaches it from QwenImage's processor?
     mask, expected = _padded_global_mask()
     try:
-        entering = _detect.mask_entering(forward, mask, passes=(UnsafeAttentionError,), **_from_qwen())
+        entering = _detect.mask_entering(
+            forward, shipped_of(lookup, target), mask, passes=(UnsafeAttentionError,), **_from_qwen()
+        )
     except UnsafeAttentionError:
         return Finding("ok", f"QwenImage's joint mask, which {name} would hand on in another token order, is refused")
     if isinstance(entering, str):

@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
-from .._detect import CUDNN_FORWARD, REFUSES_GQA, refuses_gqa
+from .._detect import CUDNN_FORWARD_KERNEL, refuses_gqa
 from .._fix import Lookup
-from .._key_padding import RESTORES, restored, trim
-from .._layout import entering, realigned, realigned_all
+from .._key_padding import restored, trim
+from .._layout import entering, realigned_all
+from ..fixes import CUDNN_BACKWARD, CUDNN_FORWARD
 from ..fixes.cudnn_backward_kv import corrected_backward
 from ..fixes.cudnn_bool_mask import mask_policy
 from ..fixes.cudnn_forward_lse import corrected_forward
@@ -30,71 +31,60 @@ from ..fixes.cudnn_input_dtypes import refuse_unsupported_dtypes
 from ..fixes.cudnn_masked_row_grads import without_masked_rows
 from .ring import STEP_OPS
 
-FORWARD = "_cudnn_attention_forward_op"
-BACKWARD = "_cudnn_attention_backward_op"
 FORWARD_POLICIES = frozenset({"cudnn_forward_lse", "cudnn_input_dtypes", "cudnn_bool_mask"})
 BACKWARD_POLICIES = frozenset({"cudnn_backward_kv", "cudnn_masked_row_grads"})
 POLICIES = FORWARD_POLICIES | BACKWARD_POLICIES
 
 
 def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
-    ops = ((FORWARD, FORWARD_POLICIES, forward_op), (BACKWARD, BACKWARD_POLICIES, backward_op))
-    return {target: make(shipped(target), broken) for target, policies, make in ops if broken & policies}
+    backward = backward_op(shipped(CUDNN_BACKWARD), broken) if broken & BACKWARD_POLICIES else None
+    built = {CUDNN_FORWARD: forward_op(shipped(CUDNN_FORWARD), broken, backward)} if broken & FORWARD_POLICIES else {}
+    return built if backward is None else {**built, CUDNN_BACKWARD: backward}
 
 
-def forward_op(shipped: Any, broken: frozenset[str]) -> Any:
-    """diffusers' cuDNN forward op ``shipped`` with the policies of the ``broken`` fixes."""
+def forward_op(shipped: Any, broken: frozenset[str], restoring: Any = None) -> Any:
+    """diffusers' cuDNN forward op ``shipped`` with the policies of the ``broken`` fixes. ``restoring``: the
+    package's backward op built with it, which scatters the K/V gradients of trimmed keys back: only a call whose
+    context will run it has its padded keys trimmed (``_key_padding``)."""
     correct = "cudnn_forward_lse" in broken
     dtypes = "cudnn_input_dtypes" in broken
     masks = "cudnn_bool_mask" in broken
     guarded = dtypes or masks
-    gqa_refused = refuses_gqa(shipped, CUDNN_FORWARD)
+    gqa_refused = refuses_gqa(shipped, CUDNN_FORWARD_KERNEL)
 
     def cudnn_attention_forward_op(
-        ctx: Any,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        scale: float | None = None,
-        enable_gqa: bool = False,
-        return_lse: bool = False,
-        _save_ctx: bool = True,
-        _parallel_config: Any = None,
-    ) -> Any:
-        if enable_gqa and gqa_refused:  # diffusers' own error for an input it rejects, not one of the guards'
-            return shipped(
-                ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-                _save_ctx=_save_ctx, _parallel_config=_parallel_config,
-            )  # fmt: skip
-        entering(query)
-        if guarded:
-            # Under autocast, q/k/v in the autocast dtype, as F.scaled_dot_product_attention's autocast rule casts
-            # them: the raw op has no such rule, and a model under autocast hands it fp32 q/k from its norms.
-            if torch.is_autocast_enabled(query.device.type) and query.is_floating_point():
-                dtype = torch.get_autocast_dtype(query.device.type)
-                query, key, value = (x.to(dtype) if x.is_floating_point() else x for x in (query, key, value))
-            if dtypes:
-                refuse_unsupported_dtypes(query, key, value, None)
-            if masks and attn_mask is not None:
-                given, attn_mask = attn_mask, mask_policy(query, key, value, attn_mask)
-                if attn_mask is not None:  # a mask that only pads keys: the valid keys alone (convert mode)
-                    key, value, attn_mask = trim(
-                        ctx, query, key, value, given, attn_mask,
-                        dropout_p=dropout_p, is_causal=is_causal, save_ctx=_save_ctx, parallel_config=_parallel_config,
-                    )  # fmt: skip
-            # A new per-call step on the mask the kernel gets goes here.
-            # Views at an odd offset reach the kernel as they are on every release: hand it aligned memory.
-            if attn_mask is not None:
-                attn_mask = realigned(attn_mask)
-        if correct:
-            return corrected_forward(
-                ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, _save_ctx
-            )
-        if guarded:
-            query, key, value = realigned_all(query, key, value)
+        ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+        return_lse: bool = False, _save_ctx: bool = True, _parallel_config: Any = None,
+    ) -> Any:  # fmt: skip
+        # A call diffusers' op refuses itself (enable_gqa) goes to it untouched: its own error, not one of the guards'.
+        if not (enable_gqa and gqa_refused):
+            entering(query)
+            if guarded:
+                # Under autocast, q/k/v in the autocast dtype, as F.scaled_dot_product_attention's autocast rule casts
+                # them: the raw op has no such rule, and a model under autocast hands it fp32 q/k from its norms.
+                if torch.is_autocast_enabled(query.device.type) and query.is_floating_point():
+                    dtype = torch.get_autocast_dtype(query.device.type)
+                    query, key, value = (x.to(dtype) if x.is_floating_point() else x for x in (query, key, value))
+                if dtypes:
+                    refuse_unsupported_dtypes(query, key, value, None)
+                if masks and attn_mask is not None:
+                    given, attn_mask = attn_mask, mask_policy(query, key, value, attn_mask)
+                    if attn_mask is not None:  # a mask that only pads keys: the valid keys alone (convert mode)
+                        key, value, attn_mask = trim(
+                            ctx, query, key, value, given, attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            save_ctx=_save_ctx, parallel_config=_parallel_config, restoring=restoring,
+                        )  # fmt: skip
+                # A new per-call step on the mask the kernel gets goes here.
+                # Views at an odd offset reach the kernel as they are on every release: hand it aligned memory.
+                if attn_mask is not None:
+                    (attn_mask,) = realigned_all(attn_mask)
+            if correct:
+                return corrected_forward(
+                    ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse, _save_ctx
+                )
+            if guarded:
+                query, key, value = realigned_all(query, key, value)
         return shipped(
             ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
             _save_ctx=_save_ctx, _parallel_config=_parallel_config,
@@ -103,11 +93,6 @@ def forward_op(shipped: Any, broken: frozenset[str]) -> Any:
     cudnn_attention_forward_op.__doc__ = (
         f"diffusers' cuDNN forward op with the policies of {sorted(broken & FORWARD_POLICIES)}."
     )
-    if masks:
-        cudnn_attention_forward_op.mask_policy = mask_policy  # type: ignore[attr-defined]  # for Ulysses' replacement
-    setattr(cudnn_attention_forward_op, REFUSES_GQA, gqa_refused)
-    # Only the corrected forward hands the kernel strided views where the GPU probe verified them.
-    cudnn_attention_forward_op.zero_copy = correct  # type: ignore[attr-defined]
     return cudnn_attention_forward_op
 
 
@@ -127,6 +112,5 @@ def backward_op(shipped: Any, broken: frozenset[str]) -> Any:
     cudnn_attention_backward_op.__doc__ = (
         f"diffusers' cuDNN backward op with the policies of {sorted(broken & BACKWARD_POLICIES)}."
     )
-    setattr(cudnn_attention_backward_op, RESTORES, True)  # the forward may trim padded keys (_key_padding)
     STEP_OPS[cudnn_attention_backward_op] = correct  # the corrected ring drives it (with its saved tensors: correct)
     return cudnn_attention_backward_op

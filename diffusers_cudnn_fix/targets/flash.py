@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from .._detect import FLASH_FORWARD as FLASH_KERNEL
-from .._detect import REFUSES_GQA, refuses_gqa
+from .._detect import FLASH_FORWARD_KERNEL, refuses_gqa
 from .._fix import Lookup
 from .._layout import entering, realigned_all
 from ..fixes import FLASH_BACKEND, FLASH_BACKWARD, FLASH_FORWARD
@@ -42,7 +41,7 @@ def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
 
 def aligned_forward(shipped: Any) -> Any:
     """``shipped`` (the flash forward op) handed q/k/v on 16 bytes; its signature is the shipped op's."""
-    gqa_refused = refuses_gqa(shipped, FLASH_KERNEL)
+    gqa_refused = refuses_gqa(shipped, FLASH_FORWARD_KERNEL)
 
     def native_flash_attention_forward_op(
         ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
@@ -53,7 +52,6 @@ def aligned_forward(shipped: Any) -> Any:
         return shipped(ctx, *realigned_all(query, key, value), *args, **kwargs)
 
     native_flash_attention_forward_op.__doc__ = "diffusers' native-flash forward op, handed q/k/v on 16 bytes."
-    setattr(native_flash_attention_forward_op, REFUSES_GQA, gqa_refused)
     native_flash_attention_forward_op.__signature__ = inspect.signature(shipped)  # type: ignore[attr-defined]
     return native_flash_attention_forward_op
 
@@ -65,7 +63,7 @@ def guarded_backend(shipped: Any) -> Any:
     config_at, lse_at = params.index("_parallel_config"), params.index("return_lse")
     lse_refused = refuses_return_lse(shipped)
 
-    def native_flash_attention(*args: Any, _shipped: Any = shipped, **kwargs: Any) -> Any:
+    def native_flash_attention(*args: Any, **kwargs: Any) -> Any:
         config = kwargs["_parallel_config"] if "_parallel_config" in kwargs else None
         if config is None and len(args) > config_at:
             config = args[config_at]
@@ -73,7 +71,7 @@ def guarded_backend(shipped: Any) -> Any:
             lse = kwargs["return_lse"] if "return_lse" in kwargs else len(args) > lse_at and args[lse_at]
             if not (lse and lse_refused):  # diffusers' own error for return_lse, not the guard's
                 refuse_context_parallel(config)
-        return _shipped(*args, **kwargs)
+        return shipped(*args, **kwargs)
 
     native_flash_attention.__doc__ = "diffusers' _native_flash backend, refusing context parallelism it ignores."
     native_flash_attention.__signature__ = inspect.signature(shipped)  # type: ignore[attr-defined]

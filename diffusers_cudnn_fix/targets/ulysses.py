@@ -7,19 +7,22 @@ forward (both classes), for a mask tensor unless diffusers' op refuses the call 
 ``anything`` backward raises rather than give a mask no gradient) -> ``cudnn_bool_mask`` (the cuDNN
 op's :func:`mask_policy`, before diffusers gathers the mask) -> [a new step on the mask goes here] ->
 diffusers' forward. backward: diffusers' backward -> ``ulysses_grad_count`` (one gradient per input).
-Both call diffusers' function as their keyword ``_shipped``, so that a check can run them with stand-in
-collectives (``_detect.with_stand_ins``).
+
+Built after the package's forward ops, which the builder is handed (``ops``): each call's ``forward_op`` is
+recognised among them by identity, and what it needs is read off its :class:`ForwardOp` record.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .._detect import REFUSES_GQA, input_count
+from .._detect import CUDNN_FORWARD_KERNEL, FLASH_FORWARD_KERNEL, input_count, refuses_gqa
 from .._fix import Lookup
-from ..fixes import ULYSSES_ANYTHING_FORWARD, ULYSSES_BACKWARD, ULYSSES_FORWARD
+from ..fixes import CUDNN_FORWARD, FLASH_FORWARD, ULYSSES_ANYTHING_FORWARD, ULYSSES_BACKWARD, ULYSSES_FORWARD
+from ..fixes.cudnn_bool_mask import mask_policy
 from ..fixes.qwen_joint_mask_order import in_kv_order
 from ..fixes.ulysses_mask_grad import refuse_mask_grad
 
@@ -32,12 +35,27 @@ _FORWARD_OP_AFTER_MASK = 5
 _CONFIG_AFTER_MASK = 7
 
 
-def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ForwardOp:
+    """What the Ulysses forward must know of one of the package's forward ops when it is handed it."""
+
+    refuses_gqa: bool  # diffusers' op behind it raises its own error for enable_gqa: such a call goes on untouched
+    converts_masks: bool  # the cuDNN op's mask policy runs on the mask before diffusers gathers it
+
+
+def build(shipped: Lookup, broken: frozenset[str], ops: dict[str, Any]) -> dict[str, Any]:
+    """The replacements for the ``broken`` fixes; ``ops``: the package's replacements of diffusers' ops, by target."""
+    kernels = {CUDNN_FORWARD: CUDNN_FORWARD_KERNEL, FLASH_FORWARD: FLASH_FORWARD_KERNEL}
+    meets = {
+        ops[name]: ForwardOp(refuses_gqa(shipped(name), kernel), name == CUDNN_FORWARD and "cudnn_bool_mask" in broken)
+        for name, kernel in kernels.items()
+        if name in ops
+    }
     built: dict[str, Any] = {}
     if broken & FORWARD_POLICIES and shipped(ULYSSES_FORWARD) is not None:
-        built[ULYSSES_FORWARD] = staticmethod(forward(shipped(ULYSSES_FORWARD), broken))
+        built[ULYSSES_FORWARD] = staticmethod(forward(shipped(ULYSSES_FORWARD), broken, meets))
     if broken & ANYTHING_POLICIES and shipped(ULYSSES_ANYTHING_FORWARD) is not None:
-        anything = forward(shipped(ULYSSES_ANYTHING_FORWARD), broken & ANYTHING_POLICIES, anything=True)
+        anything = forward(shipped(ULYSSES_ANYTHING_FORWARD), broken & ANYTHING_POLICIES, meets, anything=True)
         built[ULYSSES_ANYTHING_FORWARD] = staticmethod(anything)
     if "ulysses_grad_count" in broken:
         inputs = input_count(shipped(ULYSSES_FORWARD))
@@ -46,27 +64,20 @@ def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
     return built
 
 
-def forward(shipped: Any, broken: frozenset[str], *, anything: bool = False) -> Any:
+def forward(shipped: Any, broken: frozenset[str], meets: dict[Any, ForwardOp], *, anything: bool = False) -> Any:
     """diffusers' Ulysses forward ``shipped`` (``anything``: ``TemplatedUlyssesAnythingAttention``'s) with the
-    policies of the ``broken`` fixes on the mask."""
+    policies of the ``broken`` fixes on the mask; ``meets``: the package's forward ops it may be handed."""
     qwen = "qwen_joint_mask_order" in broken
     grad = "ulysses_mask_grad" in broken
-    convert = "cudnn_bool_mask" in broken
 
     def ulysses_attention_forward(
-        ctx: Any,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_mask: Any,
-        *args: Any,
-        _shipped: Any = shipped,
-        **kwargs: Any,
+        ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, *args: Any, **kwargs: Any
     ) -> Any:
         op = args[_FORWARD_OP_AFTER_MASK] if len(args) > _FORWARD_OP_AFTER_MASK else kwargs.get("forward_op")
         gqa = args[_GQA_AFTER_MASK] if len(args) > _GQA_AFTER_MASK else kwargs.get("enable_gqa", False)
+        needs = meets.get(op)
         # An input diffusers' op refuses itself (enable_gqa) gets diffusers' own error, not one of the guards'.
-        if isinstance(attn_mask, torch.Tensor) and not (gqa and getattr(op, REFUSES_GQA, False)):
+        if isinstance(attn_mask, torch.Tensor) and not (gqa and needs is not None and needs.refuses_gqa):
             if qwen:
                 config = args[_CONFIG_AFTER_MASK] if len(args) > _CONFIG_AFTER_MASK else None
                 attn_mask = in_kv_order(
@@ -75,11 +86,9 @@ def forward(shipped: Any, broken: frozenset[str], *, anything: bool = False) -> 
             if grad:
                 refuse_mask_grad(attn_mask)
             # A mask that requires grad goes on as it came: with the mask-grad guard off, the op's policy refuses it.
-            if convert and not attn_mask.requires_grad:
-                policy = getattr(op, "mask_policy", None)
-                if policy is not None:
-                    attn_mask = policy(query, key, value, attn_mask)
-        return _shipped(ctx, query, key, value, attn_mask, *args, **kwargs)
+            if needs is not None and needs.converts_masks and not attn_mask.requires_grad:
+                attn_mask = mask_policy(query, key, value, attn_mask)
+        return shipped(ctx, query, key, value, attn_mask, *args, **kwargs)
 
     name = "Ulysses anything" if anything else "Ulysses"
     ulysses_attention_forward.__doc__ = (
@@ -91,8 +100,8 @@ def forward(shipped: Any, broken: frozenset[str], *, anything: bool = False) -> 
 def backward(shipped: Any, inputs: int) -> Any:
     """diffusers' Ulysses backward ``shipped``, its result padded with ``None`` to one gradient per input."""
 
-    def ulysses_attention_backward(ctx: Any, grad_out: torch.Tensor, *args: Any, _shipped: Any = shipped) -> Any:
-        grads = tuple(_shipped(ctx, grad_out, *args))
+    def ulysses_attention_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> Any:
+        grads = tuple(shipped(ctx, grad_out, *args))
         return grads + (None,) * (inputs - len(grads))
 
     return ulysses_attention_backward

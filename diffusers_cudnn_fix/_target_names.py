@@ -1,0 +1,23 @@
+"""The attributes of ``diffusers.models.attention_dispatch`` the fixes may replace, named once. Plain strings,
+no imports: the package's root reads them at import (:data:`TARGETS`), the fix table and the replacements too.
+
+A target is an attribute of the module (``name``), of a class there (``Class.attr``), or an entry of a dict there
+(``Class.attr[key]``: the backend registry's, which diffusers' dispatch reads at every call)."""
+
+CUDNN_FORWARD = "_cudnn_attention_forward_op"
+CUDNN_BACKWARD = "_cudnn_attention_backward_op"
+FLASH_FORWARD = "_native_flash_attention_forward_op"
+FLASH_BACKWARD = "_native_flash_attention_backward_op"
+RING_FORWARD = "TemplatedRingAttention.forward"
+RING_BACKWARD = "TemplatedRingAttention.backward"
+ULYSSES_FORWARD = "TemplatedUlyssesAttention.forward"
+ULYSSES_BACKWARD = "TemplatedUlyssesAttention.backward"
+ULYSSES_ANYTHING_FORWARD = "TemplatedUlyssesAnythingAttention.forward"
+#: The ``_native_flash`` backend as diffusers' dispatch reaches it: its entry in the backend registry.
+FLASH_BACKEND = "_AttentionBackendRegistry._backends[_native_flash]"
+
+#: Every target, in the order of the public :data:`diffusers_cudnn_fix.TARGETS`.
+TARGETS = (
+    CUDNN_FORWARD, CUDNN_BACKWARD, FLASH_FORWARD, FLASH_BACKWARD, RING_FORWARD, RING_BACKWARD, ULYSSES_FORWARD,
+    ULYSSES_BACKWARD, ULYSSES_ANYTHING_FORWARD, FLASH_BACKEND,
+)  # fmt: skip
