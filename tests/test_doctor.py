@@ -294,30 +294,25 @@ def test_a_usage_error_has_its_own_exit_status(tmp_path: Path) -> None:
 
 
 def test_a_correction_for_some_runs_only_counts_where_its_check_is_not_sure() -> None:
-    """An ``only_for`` correction found broken is named as the condition of the "can be removed" advice (the
-    registry's log says the same); one whose check could not tell ("unknown") keeps the advice from being given,
-    as the registry's log does."""
-    from diffusers_cudnn_fix import __main__ as doctor
+    """An ``only_for`` correction found broken is named as the condition of the "can be removed" advice; one whose
+    check could not tell ("unknown") keeps the advice from being given. One decision (``_registry.advice``), which
+    the doctor and the registry's log both give."""
+    from diffusers_cudnn_fix import _registry
     from diffusers_cudnn_fix.fixes import ALL_FIXES
 
     conditional = next(fix for fix in ALL_FIXES if fix.only_for)
 
     def needs(state: str) -> dict:
-        fixes = [
-            {
-                "id": f.id,
-                "detected": state if f is conditional else "ok",
-                "applied": f is conditional and state == "broken",
-            }
-            for f in ALL_FIXES
-        ]
-        return doctor._needs(fixes, live={})
+        shipped = {f.id: state if f is conditional else "ok" for f in ALL_FIXES}
+        return _registry.advice(shipped, [conditional.id] if state == "broken" else [])
 
     broken = needs("broken")
-    assert broken["no_gradient_correction_needed"] is True, broken
+    assert broken["no_gradient_correction_needed"] is True and broken["nothing_to_fix"] is False, broken
     assert broken["needed_only_for"] == {conditional.id: conditional.only_for}, broken
+    assert conditional.id not in broken["corrections"], broken
     unknown = needs("unknown")
-    assert unknown["no_gradient_correction_needed"] is False, unknown
+    assert unknown["no_gradient_correction_needed"] is False and unknown["nothing_to_fix"] is False, unknown
+    assert needs("ok")["nothing_to_fix"] is True
 
 
 def test_where_a_bug_is_open_the_doctor_points_at_its_upstream_folder() -> None:
