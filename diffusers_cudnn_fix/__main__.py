@@ -260,23 +260,18 @@ def _next_step(data: dict[str, Any]) -> list[str]:
         lines = [f"NOT SAFE: diffusers {version} needs fixes that are not active here:"]
         lines += [_wrap(f"{f['id']}: {f['reason']}", "  - ") for f in needing]
         lines += [_wrap(f"the GPU probe failed on {p['device']}: {p['reason']} (table below)", "  - ") for p in failed]
+        way_out = "Do not train with this backend under context parallelism here; please report this case."
         if any(f["reason_code"] == "skipped" for f in needing):
-            return [
-                *lines,
-                "Take those ids out of DIFFUSERS_CUDNN_FIX_SKIP, or do not train with this backend under CP.",
-            ]
-        return [*lines, "Do not train with this backend under context parallelism here; please report this case."]
+            way_out = "Take those ids out of DIFFUSERS_CUDNN_FIX_SKIP, or do not train with this backend under CP."
+        return [*lines, way_out]
     if data["nothing_to_fix"]:
-        return [
-            f"Nothing to fix here: diffusers {version} needs none of this package's fixes. You do not need it;",
-            "imported anyway, it changes nothing.",
-        ]
+        nothing = f"Nothing to fix here: diffusers {version} needs none of this package's fixes. You do not need it;"
+        return [nothing, "imported anyway, it changes nothing."]
     if not data["no_gradient_correction_needed"]:
-        return [
-            f"NEXT STEP: diffusers {version} needs the fixes below. The doctor applied them in its own process only;",
-            "make them active in every process of your training run, either way:",
-            *_HOW,
-        ]
+        needed = (
+            f"NEXT STEP: diffusers {version} needs the fixes below. The doctor applied them in its own process only;"
+        )
+        return [needed, "make them active in every process of your training run, either way:", *_HOW]
     # What it still guards, and when removing it is safe, first; then how to keep it active everywhere.
     titles, guards, only_for = {f.id: f.title for f in ALL_FIXES}, data["active_guards"], data["needed_only_for"]
     cases = [GUARDED_CASES.get(i, titles[i]) for i in guards] + [GUARDED_CASES.get(i, r) for i, r in only_for.items()]
@@ -318,19 +313,11 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
         print(f"diffusers_cudnn_fix is SWITCHED OFF by {switched_off_by()}")
 
     print("\nfixes (table: the release table lists this release; check: what the check found in the shipped code):")
-    cells = [
-        (
-            f["id"],
-            TABLE_SAYS[f["expected"]],
-            data["shipped_check"][f["id"]],
-            "yes" if f["applied"] else "no",
-            f["result"],
-        )
-        for f in status["fixes"]
-    ]
-    header, *lines = _columns([("fix", "table", "check", "applied", "result"), *cells])
+    fixes, shipped, yes = status["fixes"], data["shipped_check"], {True: "yes", False: "no"}
+    rows = [(f["id"], TABLE_SAYS[f["expected"]], shipped[f["id"]], yes[f["applied"]], f["result"]) for f in fixes]
+    header, *lines = _columns([("fix", "table", "check", "applied", "result"), *rows])
     print(header)
-    for f, line in zip(status["fixes"], lines, strict=True):
+    for f, line in zip(fixes, lines, strict=True):
         note = notes[f["id"]]
         print(line)
         print(_wrap(f["title"], "      "))

@@ -438,10 +438,8 @@ def status() -> Report:
                 code, reason = "pending", f"{MODULE_NAME} not imported yet"
             detected = record.finding.state if record is not None and code != "disabled" else code
             if record is not None and installed is False:
-                code, reason = (
-                    "lost",
-                    "was fixed, but the module no longer holds our replacement (reloaded?): call apply()",
-                )
+                code, reason = "lost", "was fixed, but the module no longer holds our replacement (reloaded?)"
+                reason += ": call apply()"
             if applied and fix.note is not None:
                 reason = f"{reason} [{fix.note()}]"
             expected = release_table_lists(fix.affected, version)

@@ -52,6 +52,8 @@ def go(*args):
 result = {"text": go("--no-gpu"), "verbose": go("--no-gpu", "--verbose"), "json": go("--no-gpu", "--json")}
 result["strict"] = go("--no-gpu", "--require-gpu")  # CI on a GPU host: exit 3 unless verified on a GPU
 result["json_probe"] = go("--json")  # the GPU probe asked for (on a CPU: skipped, with its reason)
+result["subcommand"] = go("doctor", "--no-gpu", "--json")  # the doctor named: the same
+result["before_subcommand"] = go("--no-gpu", "doctor", "--json")  # switches on either side of it
 """
 
 # 0.39.0 only: the table the doctor prints on a GPU, with a row that raises the package's real fp32 error
@@ -164,6 +166,9 @@ def test_the_next_step_comes_first_where_fixes_are_needed() -> None:
     assert "can be removed" not in text.lower()
     data = json.loads(result["json"]["text"])
     assert data["nothing_to_fix"] is False and data["no_gradient_correction_needed"] is False
+    for named in ("subcommand", "before_subcommand"):
+        same = json.loads(result[named]["text"])
+        assert (same["status"], same["exit_status"]) == (data["status"], data["exit_status"]), named
 
 
 @SHARES_0_39_0
@@ -277,6 +282,14 @@ def test_help_is_plain_text_with_exit_statuses_and_switches() -> None:
         assert switch in text, switch
     for switch in ("DIFFUSERS_CUDNN_FIX_MASK=convert|warn|error", "DIFFUSERS_CUDNN_FIX_PROBE=warn|strict|off"):
         assert switch in text, switch
+    # Written from the switch table: every variable, every spelling it accepts, what it does.
+    from diffusers_cudnn_fix import _switches
+
+    for var, (spellings, _, says) in _switches.SWITCHES.items():
+        assert f"  {var}=" in text and _words(says) in _words(text), var
+        assert all(re.search(rf"[ |=]{re.escape(s)}[ |,\n]", text) for s in spellings), (var, text)
+    for command in ("doctor", "run", "verify"):  # the subcommands
+        assert re.search(rf"^\s+{command}\s+\w", text, re.M), (command, text)
     run_help = _doctor_process(None, "run", "--help")
     assert run_help.returncode == 0 and "COMMAND" in run_help.stdout, run_help.stderr
     for code in ("126", "127", str(EXIT_USAGE)):
@@ -284,9 +297,14 @@ def test_help_is_plain_text_with_exit_statuses_and_switches() -> None:
 
 
 def test_a_usage_error_has_its_own_exit_status(tmp_path: Path) -> None:
-    bad = _doctor_process(None, "--no-such-switch")
-    assert bad.returncode == EXIT_USAGE, (bad.returncode, bad.stderr)
-    assert "--no-such-switch" in bad.stderr and bad.stdout == ""
+    for args in (["--no-such-switch"], ["doctor", "--no-such-switch"], ["--no-such-switch", "doctor"]):
+        bad = _doctor_process(None, *args)
+        assert bad.returncode == EXIT_USAGE, (args, bad.returncode, bad.stderr)
+        assert "--no-such-switch" in bad.stderr and bad.stdout == "", (args, bad.stderr)
+    unknown = _doctor_process(None, "no-such-command")
+    assert unknown.returncode == EXIT_USAGE and "no-such-command" in unknown.stderr, unknown.stderr
+    verify_help = _doctor_process(None, "verify", "--help")  # verify's own options, forwarded to it
+    assert verify_help.returncode == 0 and "--nproc" in verify_help.stdout, verify_help.stderr
     # diffusers cannot be imported here, whatever the interpreter running the tests has installed.
     no_diffusers = _doctor_process(None, "--no-gpu", hide_diffusers=tmp_path)
     assert no_diffusers.returncode == 2, (no_diffusers.returncode, no_diffusers.stdout, no_diffusers.stderr)
