@@ -71,14 +71,10 @@ NO_GPU_VERDICT = "OK on the check; not verified on a GPU: no GPU here"
 #: What each guard (and a correction that matters only to some runs) matters to, in the words of a training run:
 #: the doctor's conditions for removing the package on a release that needs no other correction (a fix not
 #: listed here is named by its title, or its ``only_for``).
-GUARDED_CASES = {
-    "cudnn_bool_mask": "attention masks",
-    "ulysses_mask_grad": "attention masks",
-    "cudnn_masked_row_grads": "attention masks",
-    "cudnn_input_dtypes": "fp32 or mixed-dtype q/k/v",
-    "flash_input_alignment": "native flash with one head or token per rank",
-    "ring_grad_route": "ring attention from ring degree 3 or with dropout",
-}
+GUARDED_CASES = dict.fromkeys(("cudnn_bool_mask", "ulysses_mask_grad", "cudnn_masked_row_grads"), "attention masks")
+GUARDED_CASES["cudnn_input_dtypes"] = "fp32 or mixed-dtype q/k/v"
+GUARDED_CASES["flash_input_alignment"] = "native flash with one head or token per rank"
+GUARDED_CASES["ring_grad_route"] = "ring attention from ring degree 3 or with dropout"
 
 
 class _Parser(argparse.ArgumentParser):

@@ -410,7 +410,8 @@ def is_patched(target: str) -> bool:
         return _ours(sys.modules.get(MODULE_NAME), target)
 
 
-#: The doctor's result cell of a fix not applied, by reason code: (needing attention, not needing it).
+#: The doctor's result cell of a fix not applied, by reason code (or the check's "disabled", which a reload's
+#: "lost" hides): (where it needs attention, where not). Any other: "NOT FIXED", or the check's state in words.
 _RESULTS = {"disabled": ("NOT ACTIVE (package off)", "package off"), "skipped": ("NOT FIXED (skipped)", "skipped")}
 
 
