@@ -410,6 +410,8 @@ def is_patched(target: str) -> bool:
         return _ours(sys.modules.get(MODULE_NAME), target)
 
 
+_LOST = "was fixed, but the module no longer holds our replacement (reloaded?): call apply()"
+
 #: The doctor's result cell of a fix not applied, by reason code (or the check's "disabled", which a reload's
 #: "lost" hides): (where it needs attention, where not). Any other: "NOT FIXED", or the check's state in words.
 _RESULTS = {"disabled": ("NOT ACTIVE (package off)", "package off"), "skipped": ("NOT FIXED (skipped)", "skipped")}
@@ -438,9 +440,8 @@ def status() -> Report:
             else:
                 code, reason = "pending", f"{MODULE_NAME} not imported yet"
             detected = record.finding.state if record is not None and code != "disabled" else code
-            if record is not None and installed is False:
-                code, reason = "lost", "was fixed, but the module no longer holds our replacement (reloaded?)"
-                reason += ": call apply()"
+            if record is not None and installed is False:  # applied, and replaced since: a reload, say
+                code, reason = "lost", _LOST
             if applied and fix.note is not None:
                 reason = f"{reason} [{fix.note()}]"
             expected = release_table_lists(fix.affected, version)
