@@ -112,16 +112,18 @@ def _command_line() -> tuple[_Parser, _Parser]:
     epilog = f"{_switches_help()}\n{DOCTOR_EXIT_STATUSES}\n{RUN_EXIT_STATUSES}"
     parser = _Parser(PROG, None, DESCRIPTION, epilog)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands (none: the doctor)")
-    doctor = commands.add_parser("doctor", help="the default", argument_default=argparse.SUPPRESS, epilog=epilog)
+    what = "check this set-up, say what to do next (the default)"
+    doctor = commands.add_parser("doctor", help=what, argument_default=argparse.SUPPRESS, epilog=epilog)
     for add in (parser.add_argument, doctor.add_argument):
         add("--version", action="version", version=f"{PROG} {__version__}")
         add("--json", action="store_true", help="print one JSON object instead of text")
         add("--no-gpu", action="store_true", help="skip the GPU probe and the error table")
         add("--require-gpu", action="store_true", help="exit 3 unless verified on a GPU (for CI)")
         add("--verbose", "-v", action="store_true", help="show each check's evidence and the live checks")
-    usage, what = f"{PROG} run [--] COMMAND [ARGS...]", "COMMAND with the package active in every Python process"
+    usage, what = f"{PROG} run [--] COMMAND [ARGS...]", "run COMMAND with the package active in its Python processes"
     run = commands.add_parser("run", help=what, usage=usage, description=RUN_DESCRIPTION, epilog=RUN_EXIT_STATUSES)
-    verify = commands.add_parser("verify", help="check CP training here (docs/verify.md; --help)", add_help=False)
+    what = "check context-parallel training on this set-up (docs/verify.md; verify --help)"
+    verify = commands.add_parser("verify", help=what, add_help=False)
     for forwarding in (run, verify):
         forwarding.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser, run
