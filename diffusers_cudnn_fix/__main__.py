@@ -4,9 +4,10 @@ Subcommands: ``doctor`` (also when none is given), ``run -- COMMAND [ARGS...]`` 
 ``verify`` (``_verify.py``, which reads its own options). The doctor says first what to do next, then shows
 versions (diffusers, torch, CUDA, cuDNN, GPU), each fix's state, and on a GPU an error table like the upstream
 report: the ops "as shipped" and "corrected", out / dQ / dK / dV max-abs error against fp32, and the reference
-magnitudes. What it shows is computed once (``status()``, and ``_registry.advice`` for what the release needs,
-which the import-time log says too); this module only renders it. The fixes it shows are active in the
-doctor's own process only: a training run needs ``import diffusers_cudnn_fix`` in its entry point, or ``run``.
+magnitudes. Each fix's state comes from ``status()``, what the release needs from ``_registry.advice`` (which the
+import-time log says too): this module adds the versions, the GPU tables and the exit status, and renders. The
+fixes it shows are active in the doctor's own process only: a training run needs ``import diffusers_cudnn_fix``
+in its entry point, or ``run``.
 """
 
 from __future__ import annotations
