@@ -39,6 +39,15 @@ _UNFIXED: dict[str, tuple[ReasonCode, str]] = {
     "unknown": ("unknown", "left alone, behaviour unknown"),
 }
 
+#: What apply() warns of, by reason code (skipped: where the fix is found broken).
+_WARNINGS = {
+    "skipped": "'{id}' ({title}) is broken in the installed diffusers and left unfixed because "
+    f"{_switches.SKIP_VAR} names it",
+    "failed": "'{id}' NOT applied: {reason}",
+    "unknown": "'{id}' ({title}) {reason}. Training with this backend under context parallelism may give wrong "
+    "gradients; please report your diffusers version",
+}
+
 #: What the release table says against the check, by (state found, release listed as carrying the bug).
 _MISMATCHES: dict[tuple[str, bool | None], str] = {
     ("absent", True): "carries '{}', but the functions it patches are not there (renamed?): nothing to fix",
@@ -246,31 +255,21 @@ def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> None:
         _state.installed[target] = new
         _state.policies[target] = frozenset(f.id for f in fixes if target in f.targets and f.id in applied)
     for fix in fixes:
-        finding, warning = findings[fix.id], ""
-        if fix.id in skipped:
-            # Checked all the same, so that the report says whether skipping leaves a bug in place.
-            record = _Record(finding, f"skipped by {_switches.SKIP_VAR}", "skipped")
-            if finding.state == "broken":
-                warning = (
-                    f"'{fix.id}' ({fix.title}) is broken in the installed diffusers and left unfixed because "
-                    f"{_switches.SKIP_VAR} names it"
-                )
+        finding = findings[fix.id]
+        code: ReasonCode
+        if fix.id in skipped:  # checked all the same, so that the report says whether skipping leaves a bug in place
+            code, reason = "skipped", f"skipped by {_switches.SKIP_VAR}"
         elif fix.id in failed:
-            record = _Record(finding, failed[fix.id], "failed")
-            warning = f"'{fix.id}' NOT applied: {failed[fix.id]}"
+            code, reason = "failed", failed[fix.id]
         elif finding.state == "broken":
-            code: ReasonCode = "fixed" if fix.kind == "correction" else "guarded"
-            record = _Record(finding, f"{code}: {finding.detail}", code)
+            code = "fixed" if fix.kind == "correction" else "guarded"
+            reason = f"{code}: {finding.detail}"
         else:
             code, words = _UNFIXED[finding.state]
-            record = _Record(finding, f"{words}: {finding.detail}", code)
-            if finding.state == "unknown":
-                warning = (
-                    f"'{fix.id}' ({fix.title}) {record.reason}. Training with this backend under context "
-                    "parallelism may give wrong gradients; please report your diffusers version"
-                )
-        _state.records[fix.id] = record
-        if warning:
+            reason = f"{words}: {finding.detail}"
+        _state.records[fix.id] = _Record(finding, reason, code)
+        if code in _WARNINGS and (code != "skipped" or finding.state == "broken"):
+            warning = _WARNINGS[code].format(id=fix.id, title=fix.title, reason=reason)
             report(f"diffusers_cudnn_fix: {warning}.", FixNotAppliedWarning)
     _state.seen = {t: raw_get(module, t) for fix in fixes for t in fix.targets}
 
