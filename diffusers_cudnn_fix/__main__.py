@@ -1,11 +1,13 @@
-"""``python -m diffusers_cudnn_fix`` / ``diffusers-cudnn-fix``: the doctor, and the launcher.
+"""``python -m diffusers_cudnn_fix`` / ``diffusers-cudnn-fix``: the doctor, the launcher and ``verify``.
 
-The doctor (no command, or ``doctor``) says first what to do next, then shows versions (diffusers, torch,
-CUDA, cuDNN, GPU), each fix's state, and on a GPU an error table like the upstream report: the ops "as
-shipped" and "corrected", out / dQ / dK / dV max-abs error against fp32, and the reference magnitudes.
-The fixes it shows are active in the doctor's own process only: a training run needs
-``import diffusers_cudnn_fix`` in its entry point, or to be started through the launcher
-(``diffusers-cudnn-fix run -- COMMAND [ARGS...]``, see ``_launcher.py``).
+Subcommands: ``doctor`` (also when none is given), ``run -- COMMAND [ARGS...]`` (``_launcher.py``) and
+``verify`` (``_verify.py``, which reads its own options). The doctor says first what to do next, then shows
+versions (diffusers, torch, CUDA, cuDNN, GPU), each fix's state, and on a GPU an error table like the upstream
+report: the ops "as shipped" and "corrected", out / dQ / dK / dV max-abs error against fp32, and the reference
+magnitudes. Each fix's state comes from ``status()``, what the release needs from ``_registry.advice`` (which the
+import-time log says too): this module adds the versions, the GPU tables and the exit status, and renders. The
+fixes it shows are active in the doctor's own process only: a training run needs ``import diffusers_cudnn_fix``
+in its entry point, or ``run``.
 """
 
 from __future__ import annotations
@@ -31,11 +33,6 @@ EXIT_USAGE = 64
 
 PROG = "diffusers-cudnn-fix"
 
-USAGE = f"""{PROG} [doctor] [--json] [--no-gpu] [--require-gpu] [--verbose]
-       {PROG} run [--] COMMAND [ARGS...]
-       {PROG} verify [--nproc N] [options]   (docs/verify.md; verify --help)
-       {PROG} --version"""
-
 DOCTOR_EXIT_STATUSES = f"""\
 exit status of the doctor:
   0   nothing to fix here; or everything this diffusers needs is active, and verified on this GPU or there is
@@ -53,15 +50,6 @@ signal, a shell shows 128 + its number, as if it had been started directly), or
   {_launcher.EXIT_NOT_EXECUTABLE} the command was found but cannot be run
   {_launcher.EXIT_NOT_FOUND} the command is not found
   {EXIT_USAGE}  usage error: no COMMAND, or an unknown switch before "--"
-"""
-
-ENVIRONMENT = """\
-environment switches (the first value is the default; case-insensitive; all of them: docs/behaviour.md, "Switches"):
-  DIFFUSERS_CUDNN_FIX=1|0                      the package on or off; on: 1 on true yes enable enabled,
-                                               off: 0 off false no disable disabled
-  DIFFUSERS_CUDNN_FIX_SKIP=id,...              fixes to leave alone (still checked and reported)
-  DIFFUSERS_CUDNN_FIX_MASK=convert|warn|error  what a bool or wrongly typed mask reaching the cuDNN CP op does
-  DIFFUSERS_CUDNN_FIX_PROBE=warn|strict|off    what a failed GPU probe does
 """
 
 DESCRIPTION = """\
@@ -84,27 +72,62 @@ NO_GPU_VERDICT = "OK on the check; not verified on a GPU: no GPU here"
 #: What each guard (and a correction that matters only to some runs) matters to, in the words of a training run:
 #: the doctor's conditions for removing the package on a release that needs no other correction (a fix not
 #: listed here is named by its title, or its ``only_for``).
-GUARDED_CASES = {
-    "cudnn_bool_mask": "attention masks",
-    "ulysses_mask_grad": "attention masks",
-    "cudnn_masked_row_grads": "attention masks",
-    "cudnn_input_dtypes": "fp32 or mixed-dtype q/k/v",
-    "flash_input_alignment": "native flash with one head or token per rank",
-    "ring_grad_route": "ring attention from ring degree 3 or with dropout",
-}
+GUARDED_CASES = dict.fromkeys(("cudnn_bool_mask", "ulysses_mask_grad", "cudnn_masked_row_grads"), "attention masks")
+GUARDED_CASES["cudnn_input_dtypes"] = "fp32 or mixed-dtype q/k/v"
+GUARDED_CASES["flash_input_alignment"] = "native flash with one head or token per rank"
+GUARDED_CASES["ring_grad_route"] = "ring attention from ring degree 3 or with dropout"
 
 
 class _Parser(argparse.ArgumentParser):
-    """Plain-text help; a usage error exits 64, as argparse's 2 already means "diffusers cannot be imported"."""
+    """Plain-text help; a usage error exits 64, as argparse's 2 already means "diffusers cannot be imported".
+    Also ``verify``'s parser: ``_Parser(prog, usage, description, epilog)``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{"formatter_class": argparse.RawDescriptionHelpFormatter, **kwargs})
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-def _parser(prog: str, usage: str, description: str, epilog: str) -> _Parser:
-    formatter = argparse.RawDescriptionHelpFormatter
-    return _Parser(prog=prog, usage=usage, description=description, epilog=epilog, formatter_class=formatter)
+def _switches_help() -> str:
+    """The environment switches, written from their table (``_switches.SWITCHES``)."""
+    rows = []
+    for var, (spellings, _, says) in _switches.SWITCHES.items():
+        values = dict.fromkeys(spellings.values())
+        if len(values) < len(spellings):  # several spellings of a value: name them
+            says += "; " + ", ".join(f"{v}: {' '.join(s for s, w in spellings.items() if w == v)}" for v in values)
+        rows.append((f"{var}={'|'.join(values) or 'id,...'}", says))
+    indent = " " * (max(len(name) for name, _ in rows) + 4)
+    lines = [
+        textwrap.fill(says, 116, initial_indent=f"  {name}".ljust(len(indent)), subsequent_indent=indent)
+        for name, says in rows
+    ]
+    head = "environment switches (the first value is the default; case-insensitive; all of them: docs/behaviour.md,"
+    return "\n".join([f'{head} "Switches"):', *lines]) + "\n"
+
+
+def _command_line() -> tuple[_Parser, _Parser]:
+    """The parser, and its ``run``. The doctor's switches go before any command or after "doctor" (where they do
+    not override those given before); ``run`` and ``verify`` take the rest of the line as it is given."""
+    epilog = f"{_switches_help()}\n{DOCTOR_EXIT_STATUSES}\n{RUN_EXIT_STATUSES}"
+    parser = _Parser(PROG, None, DESCRIPTION, epilog)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands (none: the doctor)")
+    what = "check this set-up, say what to do next (the default)"
+    doctor = commands.add_parser("doctor", help=what, argument_default=argparse.SUPPRESS, epilog=epilog)
+    for add in (parser.add_argument, doctor.add_argument):
+        add("--version", action="version", version=f"{PROG} {__version__}")
+        add("--json", action="store_true", help="print one JSON object instead of text")
+        add("--no-gpu", action="store_true", help="skip the GPU probe and the error table")
+        add("--require-gpu", action="store_true", help="exit 3 unless verified on a GPU (for CI)")
+        add("--verbose", "-v", action="store_true", help="show each check's evidence and the live checks")
+    usage, what = f"{PROG} run [--] COMMAND [ARGS...]", "run COMMAND with the package active in its Python processes"
+    run = commands.add_parser("run", help=what, usage=usage, description=RUN_DESCRIPTION, epilog=RUN_EXIT_STATUSES)
+    what = "check context-parallel training on this set-up (docs/verify.md; verify --help)"
+    verify = commands.add_parser("verify", help=what, add_help=False)
+    for forwarding in (run, verify):
+        forwarding.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser, run
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -116,13 +139,9 @@ def _environment() -> dict[str, Any]:
     gpu = None
     if torch.cuda.is_available():
         gpu = f"{torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))})"
-    return {
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "gpu": gpu,
-    }
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    versions = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda}
+    return {**versions, "cudnn": cudnn, "gpu": gpu}
 
 
 def _shipped_vs_corrected(device: Any) -> list[dict[str, Any]]:
@@ -151,52 +170,16 @@ def _shipped_vs_corrected(device: Any) -> list[dict[str, Any]]:
     return [*rows, {"variant": "reference magnitudes", "errors": magnitudes, "error": None}]
 
 
-def _needs(fixes: list[dict[str, Any]], live: dict[str, Any]) -> dict[str, Any]:
-    """What this diffusers needs, from the check of the shipped code (or, where the package is switched off,
-    of the live code, which then is the shipped code)."""
-    from .fixes import ALL_FIXES
-
-    by_id = {fix.id: fix for fix in ALL_FIXES}
-    not_checked = ("disabled", "unchecked", "pending")
-    shipped = {f["id"]: live[f["id"]]["state"] if f["detected"] in not_checked else f["detected"] for f in fixes}
-    quiet = {fix_id: state in ("ok", "absent") for fix_id, state in shipped.items()}
-    applied = [f["id"] for f in fixes if f["applied"]]
-    # A correction that matters only to some runs (only_for) and is found broken does not count here: it is named
-    # as the condition. Found in any other state it counts, as in the registry's log.
-    conditional = {i for i, state in shipped.items() if by_id[i].only_for and state == "broken"}
-    corrections = [i for i in shipped if by_id[i].kind == "correction" and i not in conditional]
-    return {
-        "shipped_check": shipped,
-        "nothing_to_fix": bool(shipped) and not applied and all(quiet.values()),
-        "no_gradient_correction_needed": bool(shipped) and all(quiet[i] for i in corrections),
-        "active_guards": [i for i in applied if by_id[i].kind == "guard"],
-        "needed_only_for": {i: by_id[i].only_for for i in applied if by_id[i].only_for},
-        "applied": applied,
-    }
-
-
-def _upstream(shipped_check: dict[str, str]) -> dict[str, dict[str, str]]:
-    """Per fix found broken in the shipped code that has an upstream folder (``upstream/<id>/``, in the source
-    tree: the wheel does not carry it): its ISSUE.md and what the folder holds."""
-    from .fixes import ALL_FIXES
-
-    return {
-        fix.id: {"issue": fix.upstream_folder, "holds": fix.upstream_issue}
-        for fix in ALL_FIXES
-        if fix.upstream_folder is not None and fix.upstream_issue is not None and shipped_check.get(fix.id) == "broken"
-    }
-
-
 def collect(run_gpu: bool = True, require_gpu: bool = False) -> tuple[dict[str, Any], int]:
     """Everything the doctor shows, as data, and the exit status. Where everything needed is active and this
     machine has no GPU, the doctor did all it could: exit status 0, its verdict saying "not verified on a GPU"
     (``require_gpu``: 3, for CI on GPU hosts)."""
+    from .fixes import ALL_FIXES  # plain data: the release table needs no torch
+
     try:
         import diffusers.models.attention_dispatch  # noqa: F401 - fires the hook
         import torch
     except Exception as exc:  # noqa: BLE001
-        from .fixes import ALL_FIXES  # plain data: the release table needs no torch
-
         error = f"cannot import diffusers' attention module: {type(exc).__name__}: {exc}"
         table = [{"id": f.id, "affected": f.affected, "kind": f.kind, "title": f.title} for f in ALL_FIXES]
         found = {"version": __version__, "error": error, "release_table": table}
@@ -218,13 +201,22 @@ def collect(run_gpu: bool = True, require_gpu: bool = False) -> tuple[dict[str, 
     if not report.enabled:  # the live objects are the shipped ones: nothing was patched
         data["check_after_patching"] = {}
     data["status"] = report.to_dict()
-    data.update(_needs(data["status"]["fixes"], live))
-    data["upstream"] = _upstream(data["shipped_check"])
+    # The check of the shipped code; where nothing was checked (switched off), that of the live code, which then
+    # is the shipped code.
+    unchecked = ("disabled", "unchecked", "pending")
+    shipped = {f.id: live[f.id]["state"] if f.detected in unchecked else f.detected for f in report.fixes}
+    data["shipped_check"] = shipped
+    data.update(_registry.advice(shipped, [f.id for f in report.fixes if f.applied]))
+    # Per fix found broken that has an upstream folder (in the source tree: the wheel does not carry it).
+    data["upstream"] = {
+        fix.id: {"issue": fix.upstream_folder, "holds": fix.upstream_issue}
+        for fix in ALL_FIXES
+        if fix.upstream_issue is not None and shipped.get(fix.id) == "broken"
+    }
     verified = data["nothing_to_fix"] or "shipped_vs_corrected" in data  # nothing to verify, or verified on a GPU
-    no_gpu_here = data["environment"]["gpu"] is None
     code = EXIT_NOT_SAFE if not report.ok else (EXIT_OK if verified else EXIT_UNVERIFIED)
     verdict = _VERDICTS[code]
-    if code == EXIT_UNVERIFIED and no_gpu_here and not require_gpu:
+    if code == EXIT_UNVERIFIED and data["environment"]["gpu"] is None and not require_gpu:
         code, verdict = EXIT_OK, NO_GPU_VERDICT
     data["exit_status"], data["verdict"] = code, verdict
     return data, code
@@ -244,19 +236,6 @@ def _columns(rows: Sequence[Sequence[str]]) -> list[str]:
     return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
-def _outcome(fix: dict[str, Any], kind: str) -> str:
-    """The fix table's result cell: a word that says why, or else "NOT FIXED" or the bare check state."""
-    if fix["applied"]:
-        return "corrected" if kind == "correction" else "guarded"
-    if fix["detected"] == "disabled":
-        return "NOT ACTIVE (package off)" if fix["needs_attention"] else "package off"
-    if fix["reason"].startswith("skipped"):
-        return "NOT FIXED (skipped)" if fix["needs_attention"] else "skipped"
-    if fix["needs_attention"]:
-        return "NOT FIXED"
-    return {"ok": "not needed", "absent": "no such code"}.get(fix["detected"], fix["detected"])
-
-
 _HOW = [
     "  - add `import diffusers_cudnn_fix` at the top of the training entry point (the script every rank",
     "    runs), before or after diffusers; or",
@@ -272,49 +251,41 @@ def _next_step(data: dict[str, Any]) -> list[str]:
     status, version = data["status"], data["status"]["diffusers_version"]
     needing = [f for f in status["fixes"] if f["needs_attention"]]
     if not status["ok"] and not status["enabled"]:
-        switched_off = (
-            f"NOT SAFE: the package is switched off ({switched_off_by()}), and diffusers {version} needs "
-            f"its fixes ({', '.join(f['id'] for f in needing)}). Unset {_switches.ENABLE_VAR} (or set it to 1) "
-            "to turn it on."
-        )
-        return [_wrap(switched_off)]
+        ids = ", ".join(f["id"] for f in needing)
+        off = f"the package is switched off ({switched_off_by()}), and diffusers {version} needs its fixes ({ids})"
+        return [_wrap(f"NOT SAFE: {off}. Unset {_switches.ENABLE_VAR} (or set it to 1) to turn it on.")]
     if not status["ok"]:
         failed = [p for p in status["probes"] if p["state"] == "failed"]
         lines = [f"NOT SAFE: diffusers {version} needs fixes that are not active here:"]
         lines += [_wrap(f"{f['id']}: {f['reason']}", "  - ") for f in needing]
         lines += [_wrap(f"the GPU probe failed on {p['device']}: {p['reason']} (table below)", "  - ") for p in failed]
         way_out = "Do not train with this backend under context parallelism here; please report this case."
-        if any(f["reason"].startswith("skipped") for f in needing):
+        if any(f["reason_code"] == "skipped" for f in needing):
             way_out = "Take those ids out of DIFFUSERS_CUDNN_FIX_SKIP, or do not train with this backend under CP."
         return [*lines, way_out]
     if data["nothing_to_fix"]:
-        return [
-            f"Nothing to fix here: diffusers {version} needs none of this package's fixes. You do not need it;",
-            "imported anyway, it changes nothing.",
-        ]
-    if data["no_gradient_correction_needed"]:
-        # What it still guards, and when removing it is safe, first; then how to keep it active everywhere.
-        by_id = {fix.id: fix for fix in ALL_FIXES}
-        cases = [GUARDED_CASES.get(i, by_id[i].title) for i in data["active_guards"]]
-        cases += [GUARDED_CASES.get(i, runs) for i, runs in data["needed_only_for"].items()]
-        *most, last = dict.fromkeys(cases) or ["case the table below lists as guarded"]
-        uses = f"{', '.join(most)}, or {last}" if most else last
-        bug = " has the bool-mask bug (#14342: padded prompts train wrong without the package), so"
-        lead = f"diffusers {version}{bug}" if "cudnn_bool_mask" in data["active_guards"] else f"on diffusers {version},"
-        still = f"Still guarding here: {lead} removing the package is safe only if your training uses no {uses}."
-        needs = "".join(f" except {i}, which matters only to {runs}" for i, runs in data["needed_only_for"].items())
-        keep = (
-            f"For training that uses none of them it changes nothing: diffusers {version} needs no gradient "
-            f"correction{needs}; the guards ({', '.join(data['active_guards'])}) are in the table below. To keep them, "
-            "make them active in every process of your training run (the doctor applied them in its own process "
-            "only), either way:"
+        nothing = f"Nothing to fix here: diffusers {version} needs none of this package's fixes. You do not need it;"
+        return [nothing, "imported anyway, it changes nothing."]
+    if not data["no_gradient_correction_needed"]:
+        needed = (
+            f"NEXT STEP: diffusers {version} needs the fixes below. The doctor applied them in its own process only;"
         )
-        return [_wrap(still), _wrap(keep), *_HOW]
-    return [
-        f"NEXT STEP: diffusers {version} needs the fixes below. The doctor applied them in its own process only;",
-        "make them active in every process of your training run, either way:",
-        *_HOW,
-    ]
+        return [needed, "make them active in every process of your training run, either way:", *_HOW]
+    # What it still guards, and when removing it is safe, first; then how to keep it active everywhere.
+    titles, guards, only_for = {f.id: f.title for f in ALL_FIXES}, data["active_guards"], data["needed_only_for"]
+    cases = [GUARDED_CASES.get(i, titles[i]) for i in guards] + [GUARDED_CASES.get(i, r) for i, r in only_for.items()]
+    *most, last = dict.fromkeys(cases) or ["case the table below lists as guarded"]
+    uses = f"{', '.join(most)}, or {last}" if most else last
+    bug = " has the bool-mask bug (#14342: padded prompts train wrong without the package), so"
+    lead = f"diffusers {version}{bug}" if "cudnn_bool_mask" in guards else f"on diffusers {version},"
+    still = f"Still guarding here: {lead} removing the package is safe only if your training uses no {uses}."
+    needs = "".join(f" except {i}, which matters only to {runs}" for i, runs in only_for.items())
+    keep = (
+        f"For training that uses none of them it changes nothing: diffusers {version} needs no gradient "
+        f"correction{needs}; the guards ({', '.join(guards)}) are in the table below. To keep them, make them active "
+        "in every process of your training run (the doctor applied them in its own process only), either way:"
+    )
+    return [_wrap(still), _wrap(keep), *_HOW]
 
 
 def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
@@ -329,7 +300,7 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
         return
     from .fixes import ALL_FIXES
 
-    fixes_by_id = {fix.id: fix for fix in ALL_FIXES}
+    notes = {fix.id: fix.note for fix in ALL_FIXES}
     status, env = data["status"], data["environment"]
     print("\n".join(_next_step(data)))
     print(
@@ -341,20 +312,17 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
         print(f"diffusers_cudnn_fix is SWITCHED OFF by {switched_off_by()}")
 
     print("\nfixes (table: the release table lists this release; check: what the check found in the shipped code):")
-    rows = [("fix", "table", "check", "applied", "result")]
-    for f in status["fixes"]:
-        outcome = _outcome(f, fixes_by_id[f["id"]].kind)
-        check = data["shipped_check"][f["id"]]
-        rows.append((f["id"], TABLE_SAYS[f["expected"]], check, "yes" if f["applied"] else "no", outcome))
-    header, *lines = _columns(rows)
+    fixes, shipped, yes = status["fixes"], data["shipped_check"], {True: "yes", False: "no"}
+    rows = [(f["id"], TABLE_SAYS[f["expected"]], shipped[f["id"]], yes[f["applied"]], f["result"]) for f in fixes]
+    header, *lines = _columns([("fix", "table", "check", "applied", "result"), *rows])
     print(header)
-    for f, line, (*_, outcome) in zip(status["fixes"], lines, rows[1:], strict=True):
-        note = fixes_by_id[f["id"]].note
+    for f, line in zip(fixes, lines, strict=True):
+        note = notes[f["id"]]
         print(line)
         print(_wrap(f["title"], "      "))
         if f["applied"] and note is not None:
             print(_wrap(note(), "      "))
-        if verbose or outcome in ("NOT FIXED", f["detected"]):  # the result does not say why: the reason does
+        if verbose or f["result"] in ("NOT FIXED", f["detected"]):  # the result does not say why: the reason does
             print(_wrap(f"why: {f['reason']}", "      "))
         if (upstream := data["upstream"].get(f["id"])) is not None:  # the bug is open: where to fix it upstream
             print(_wrap(f"upstream: {upstream['issue']} in this package's source tree ({upstream['holds']})", "      "))
@@ -392,37 +360,23 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
 # ------------------------------------------------------------------------------------------------------------
 # Entry point
 # ------------------------------------------------------------------------------------------------------------
-def _run_command(argv: list[str]) -> int:
-    """``run [--] COMMAND [ARGS...]``, read by hand: argparse would take COMMAND's own switches for ours."""
-    parser = _parser(f"{PROG} run", f"{PROG} run [--] COMMAND [ARGS...]", RUN_DESCRIPTION, RUN_EXIT_STATUSES)
-    first = argv[0] if argv else "--"
-    if first in ("-h", "--help"):
-        parser.print_help()
-        return EXIT_OK
-    if first != "--" and first.startswith("-"):
-        parser.error(f"unknown switch {first!r} (put -- before COMMAND)")
-    command = argv[1:] if first == "--" else argv
-    if not command:
-        parser.error("no COMMAND given")
-    return _launcher.run(command)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """The command line: the doctor (no command, or ``doctor``), or ``run -- COMMAND [ARGS...]``."""
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == ["run"]:
-        return _run_command(args_list[1:])
-    if args_list[:1] == ["verify"]:  # imported only here: it loads torch and diffusers when it runs
-        from . import _verify
+    """The command line: the doctor (no command, or ``doctor``), ``run -- COMMAND [ARGS...]``, or ``verify``."""
+    given = list(sys.argv[1:] if argv is None else argv)
+    parser, run = _command_line()
+    args, unknown = parser.parse_known_args(given)
+    if args.command in ("run", "verify"):
+        rest = given[given.index(args.command) + 1 :]  # as given: COMMAND's own switches are not ours
+        if args.command == "verify":  # imported only here: it loads torch and diffusers when it runs
+            from . import _verify
 
-        return _verify.main(args_list[1:], _parser)
-    parser = _parser(PROG, USAGE, DESCRIPTION, f"{ENVIRONMENT}\n{DOCTOR_EXIT_STATUSES}\n{RUN_EXIT_STATUSES}")
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    parser.add_argument("--no-gpu", action="store_true", help="skip the GPU probe and the error table")
-    parser.add_argument("--require-gpu", action="store_true", help="exit 3 unless verified on a GPU (for CI)")
-    parser.add_argument("--verbose", "-v", action="store_true", help="show each check's evidence and the live checks")
-    args = parser.parse_args(args_list[1:] if args_list[:1] == ["doctor"] else args_list)
+            return _verify.main(rest, _Parser)
+        if rest[:1] != ["--"] and rest[:1] and rest[0].startswith("-"):
+            run.error(f"unknown switch {rest[0]!r} (put -- before COMMAND)")
+        command = rest[1:] if rest[:1] == ["--"] else rest
+        return _launcher.run(command) if command else run.error("no COMMAND given")
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     stock = warnings.formatwarning
 
     def formatwarning(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> str:
@@ -437,10 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         warnings.formatwarning = stock
     try:
-        if args.json:
-            print(json.dumps(data, default=str))
-        else:
-            _print_human(data, verbose=args.verbose)
+        print(json.dumps(data, default=str)) if args.json else _print_human(data, verbose=args.verbose)
         sys.stdout.flush()
     except BrokenPipeError:  # `diffusers-cudnn-fix | head`: the reader left; no traceback, same status
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python flushes stdout again at exit

@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import sys
 import threading
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ from ._warnings import FixNotAppliedWarning, ReleaseTableMismatchWarning, StaleR
 from .fixes import ALL_FIXES
 
 if TYPE_CHECKING:
-    from ._report import Report
+    from ._report import ReasonCode, Report
 
 MODULE_NAME = _switches.MODULE_NAME
 
@@ -31,8 +32,21 @@ MODULE_NAME = _switches.MODULE_NAME
 _SCAN_SKIP = frozenset({"torch", "diffusers_cudnn_fix", *sys.stdlib_module_names})
 
 
-#: Why a fix is not applied, by what its check found (broken: applied, or skipped or failed).
-_UNFIXED = {"ok": "not needed", "absent": "not applicable", "unknown": "left alone, behaviour unknown"}
+#: Why a fix is not applied, by what its check found (broken: applied, or skipped or failed): code, words.
+_UNFIXED: dict[str, tuple[ReasonCode, str]] = {
+    "ok": ("not_needed", "not needed"),
+    "absent": ("not_applicable", "not applicable"),
+    "unknown": ("unknown", "left alone, behaviour unknown"),
+}
+
+#: What apply() warns of, by reason code (skipped: where the fix is found broken).
+_WARNINGS = {
+    "skipped": "'{id}' ({title}) is broken in the installed diffusers and left unfixed because "
+    f"{_switches.SKIP_VAR} names it",
+    "failed": "'{id}' NOT applied: {reason}",
+    "unknown": "'{id}' ({title}) {reason}. Training with this backend under context parallelism may give wrong "
+    "gradients; please report your diffusers version",
+}
 
 #: What the release table says against the check, by (state found, release listed as carrying the bug).
 _MISMATCHES: dict[tuple[str, bool | None], str] = {
@@ -48,7 +62,7 @@ class _Record:
 
     finding: Finding  # what the check found on the shipped code
     reason: str
-    skipped: bool = False
+    code: ReasonCode
 
 
 class _State:
@@ -169,7 +183,9 @@ def _up_to_date(module: ModuleType, skipped: frozenset[str]) -> bool:
     if any(raw_get(module, t) is not obj for t, obj in _state.seen.items()):
         logger.info("%s: changed since it was checked (reloaded or re-patched); re-checking", MODULE_NAME)
         return False
-    return not any(r.skipped and r.finding.state == "broken" and i not in skipped for i, r in _state.records.items())
+    return not any(
+        r.code == "skipped" and r.finding.state == "broken" and i not in skipped for i, r in _state.records.items()
+    )
 
 
 def _put_back(module: ModuleType | None, *, reverting: bool) -> None:
@@ -233,30 +249,21 @@ def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> None:
         _state.installed[target] = new
         _state.policies[target] = frozenset(f.id for f in fixes if target in f.targets and f.id in applied)
     for fix in fixes:
-        finding, warning = findings[fix.id], ""
-        if fix.id in skipped:
-            # Checked all the same, so that the report says whether skipping leaves a bug in place.
-            record = _Record(finding, f"skipped by {_switches.SKIP_VAR}", skipped=True)
-            if finding.state == "broken":
-                warning = (
-                    f"'{fix.id}' ({fix.title}) is broken in the installed diffusers and left unfixed because "
-                    f"{_switches.SKIP_VAR} names it"
-                )
+        finding = findings[fix.id]
+        code: ReasonCode
+        if fix.id in skipped:  # checked all the same, so that the report says whether skipping leaves a bug in place
+            code, reason = "skipped", f"skipped by {_switches.SKIP_VAR}"
         elif fix.id in failed:
-            record = _Record(finding, failed[fix.id])
-            warning = f"'{fix.id}' NOT applied: {failed[fix.id]}"
+            code, reason = "failed", failed[fix.id]
         elif finding.state == "broken":
-            verb = "fixed" if fix.kind == "correction" else "guarded"
-            record = _Record(finding, f"{verb}: {finding.detail}")
+            code = "fixed" if fix.kind == "correction" else "guarded"
+            reason = f"{code}: {finding.detail}"
         else:
-            record = _Record(finding, f"{_UNFIXED[finding.state]}: {finding.detail}")
-            if finding.state == "unknown":
-                warning = (
-                    f"'{fix.id}' ({fix.title}) {record.reason}. Training with this backend under context "
-                    "parallelism may give wrong gradients; please report your diffusers version"
-                )
-        _state.records[fix.id] = record
-        if warning:
+            code, words = _UNFIXED[finding.state]
+            reason = f"{words}: {finding.detail}"
+        _state.records[fix.id] = _Record(finding, reason, code)
+        if code in _WARNINGS and (code != "skipped" or finding.state == "broken"):
+            warning = _WARNINGS[code].format(id=fix.id, title=fix.title, reason=reason)
             report(f"diffusers_cudnn_fix: {warning}.", FixNotAppliedWarning)
     _state.seen = {t: raw_get(module, t) for fix in fixes for t in fix.targets}
 
@@ -324,6 +331,26 @@ def _rebind_references(module: ModuleType) -> None:
                 logger.info("rebound %s.%s to the corrected %s", mod_name, global_name, target)
 
 
+def advice(shipped: Mapping[str, str], applied: Collection[str]) -> dict[str, Any]:
+    """What the installed release needs, from what each fix's check found in its shipped code (``shipped``) and
+    the fixes applied: the one answer to "does it need a correction, can the package be removed", which the
+    import-time log and the doctor both give (the doctor's ``--json`` carries it as is)."""
+    fixes = [fix for fix in ALL_FIXES if fix.id in shipped]
+    quiet = {fix_id: state in ("ok", "absent") for fix_id, state in shipped.items()}
+    # A correction that matters only to some runs and is found broken is named as the condition instead. Found
+    # in any other state (unknown, say) it counts.
+    only_for = {f.id: f.only_for for f in fixes if f.only_for and shipped[f.id] == "broken"}
+    corrections = [f.id for f in fixes if f.kind == "correction" and f.id not in only_for]
+    return {
+        "nothing_to_fix": bool(fixes) and not applied and all(quiet.values()),
+        "no_gradient_correction_needed": bool(fixes) and all(quiet[i] for i in corrections),
+        "active_guards": [f.id for f in fixes if f.kind == "guard" and f.id in applied],
+        "needed_only_for": only_for,  # correction id -> the runs it matters to
+        "applied": [f.id for f in fixes if f.id in applied],
+        "corrections": corrections,  # the gradient corrections, but those
+    }
+
+
 def _announce(module: ModuleType) -> None:
     """Say once what was applied, where the release table and the check disagree, or that we are not needed."""
     version = _diffusers_version()
@@ -334,22 +361,17 @@ def _announce(module: ModuleType) -> None:
             _state.mismatches_reported.add(fix.id)
             message = f"diffusers_cudnn_fix: the release table says diffusers {version} {mismatch.format(fix.id)}."
             report(message, ReleaseTableMismatchWarning)
-    newly = [fix.id for fix in _fixes() if _applied(module, fix)]
-    if newly:
-        logger.info("diffusers_cudnn_fix: diffusers %s: applied %s", version, ", ".join(newly))
-    corrections = [f for f in _fixes() if f.kind == "correction"]
-    # A correction that matters only to some runs (only_for) is named as the condition instead.
-    conditional = {f.id: f.only_for for f in corrections if f.only_for and states[f.id] == "broken"}
-    rest = [f.id for f in corrections if f.id not in conditional]
-    if not _state.announced and all(states[i] in ("ok", "absent") for i in rest):
-        guards = [f.id for f in _fixes() if f.kind == "guard" and _applied(module, f)]
+    said = advice(states, [fix.id for fix in _fixes() if _applied(module, fix)])
+    if said["applied"]:
+        logger.info("diffusers_cudnn_fix: diffusers %s: applied %s", version, ", ".join(said["applied"]))
+    if not _state.announced and said["no_gradient_correction_needed"]:
         logger.info(
             "diffusers_cudnn_fix: diffusers %s needs none of the gradient corrections (%s); the package can be "
             "removed for them.%s%s",
             version,
-            ", ".join(rest),
-            "".join(f" {i} is needed for {runs} only." for i, runs in conditional.items()),
-            f" Guards still active: {', '.join(guards)}." if guards else "",
+            ", ".join(said["corrections"]),
+            "".join(f" {i} is needed for {runs} only." for i, runs in said["needed_only_for"].items()),
+            f" Guards still active: {', '.join(said['active_guards'])}." if said["active_guards"] else "",
         )
     _state.announced = True
 
@@ -359,7 +381,7 @@ def revert() -> Report:
     with _state.lock:
         _put_back(_state.module, reverting=True)  # None before any apply: nothing to put back
         for fix_id, record in _state.records.items():
-            _state.records[fix_id] = replace(record, reason="reverted by revert()")
+            _state.records[fix_id] = replace(record, reason="reverted by revert()", code="reverted")
         return status()
 
 
@@ -381,6 +403,13 @@ def is_patched(target: str) -> bool:
         return _ours(sys.modules.get(MODULE_NAME), target)
 
 
+_LOST = "was fixed, but the module no longer holds our replacement (reloaded?): call apply()"
+
+#: The doctor's result cell of a fix not applied, by reason code (or the check's "disabled", which a reload's
+#: "lost" hides): (where it needs attention, where not). Any other: "NOT FIXED", or the check's state in words.
+_RESULTS = {"disabled": ("NOT ACTIVE (package off)", "package off"), "skipped": ("NOT FIXED (skipped)", "skipped")}
+
+
 def status() -> Report:
     """A structured report of versions and of every fix's state (see :class:`Report`)."""
     from ._report import FixStatus, Report
@@ -394,21 +423,30 @@ def status() -> Report:
             record = _state.records.get(fix.id) if module is _state.module else None
             installed = _applied(module, fix)
             applied = bool(installed)
+            code: ReasonCode
             if not enabled and not applied:
-                detected, reason = "disabled", f"package switched off by {_switches.ENABLE_VAR}=0"
+                code, reason = "disabled", f"package switched off by {_switches.ENABLE_VAR}=0"
             elif record is not None:
-                detected, reason = record.finding.state, record.reason
+                code, reason = record.code, record.reason
             elif module is not None:
-                detected = "unchecked"
-                reason = "not checked: revert() disarmed the package before the import; call apply()"
+                code, reason = "unchecked", "not checked: revert() disarmed the package before the import; call apply()"
             else:
-                detected, reason = "pending", f"{MODULE_NAME} not imported yet"
-            if record is not None and installed is False:
-                reason = "was fixed, but the module no longer holds our replacement (reloaded?): call apply()"
+                code, reason = "pending", f"{MODULE_NAME} not imported yet"
+            detected = record.finding.state if record is not None and code != "disabled" else code
+            if record is not None and installed is False:  # applied, and replaced since: a reload, say
+                code, reason = "lost", _LOST
             if applied and fix.note is not None:
                 reason = f"{reason} [{fix.note()}]"
             expected = release_table_lists(fix.affected, version)
-            fixes.append(FixStatus(fix.id, fix.title, fix.upstream, fix.affected, expected, detected, applied, reason))
+            # The bug is (or may be) there and is not fixed; or the package is off where the table lists the bug.
+            unfixed = detected in ("broken", "unknown") and not applied
+            attention = expected is True if detected in ("disabled", "unchecked") else unfixed
+            quiet = {"ok": "not needed", "absent": "no such code"}.get(detected, detected)
+            result = (_RESULTS.get(detected) or _RESULTS.get(code, ("NOT FIXED", quiet)))[0 if attention else 1]
+            if applied:
+                result = "corrected" if fix.kind == "correction" else "guarded"
+            row = (expected, detected, applied, reason, code, attention, result)
+            fixes.append(FixStatus(fix.id, fix.title, fix.upstream, fix.affected, *row))
         torch_mod = sys.modules.get("torch")
         probes: tuple[Any, ...] = ()
         if torch_mod is not None:  # then the fixes are there too

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from ._switches import ENABLE_VAR, MODULE_NAME, raw_enable_value
 
 #: The fix table's "table" column: what the release table says of the installed release (``FixStatus.expected``).
 TABLE_SAYS = {True: "affected", False: "not affected", None: "unknown"}
+
+
+#: Why a fix is in its state (``FixStatus.reason_code``), for programs; ``reason`` says it in words.
+ReasonCode = Literal[
+    "fixed", "guarded", "skipped", "failed", "not_needed", "not_applicable", "unknown", "disabled", "pending",
+    "unchecked", "reverted", "lost",
+]  # fmt: skip
 
 
 def switched_off_by() -> str:
@@ -24,10 +31,18 @@ class FixStatus(NamedTuple):
             the version is unknown or a pre-release).
         detected: what the behavioural check found on the shipped code: broken / ok / absent / unknown /
             disabled (package switched off) / pending (module not imported yet) / unchecked (imported while
-            the package was reverted). A fix named in
-            ``DIFFUSERS_CUDNN_FIX_SKIP`` is still checked; its reason says it was skipped.
+            the package was reverted). A fix named in ``DIFFUSERS_CUDNN_FIX_SKIP`` is still checked; its
+            ``reason_code`` is ``skipped``.
         applied: whether our replacement is installed right now (read off the live module).
         reason: one sentence on why.
+        reason_code: the reason as a code: fixed / guarded (applied), skipped (named in
+            ``DIFFUSERS_CUDNN_FIX_SKIP``), failed (its replacement did not pass its check), not_needed (check: ok),
+            not_applicable (absent), unknown, disabled, pending, unchecked (as ``detected``), reverted (by
+            ``revert()``), lost (applied, but the module no longer holds the replacement).
+        needs_attention: the bug is (or may be) there and is not fixed; or the package is switched off on a
+            release the table lists as carrying it.
+        result: the doctor's result, in a word or three: corrected, guarded, not needed, no such code, skipped,
+            package off, NOT FIXED, NOT FIXED (skipped), NOT ACTIVE (package off), or else the check's state.
     """
 
     id: str
@@ -38,14 +53,9 @@ class FixStatus(NamedTuple):
     detected: str
     applied: bool
     reason: str
-
-    @property
-    def needs_attention(self) -> bool:
-        """The bug is (or may be) there and is not fixed; or the package is switched off on a release the
-        table lists as carrying it."""
-        if self.detected in ("disabled", "unchecked"):
-            return self.expected is True
-        return self.detected in ("broken", "unknown") and not self.applied
+    reason_code: ReasonCode
+    needs_attention: bool
+    result: str
 
 
 class Report(NamedTuple):
@@ -69,7 +79,7 @@ class Report(NamedTuple):
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``--json`` and logs."""
         return self._asdict() | {
-            "fixes": [f._asdict() | {"needs_attention": f.needs_attention} for f in self.fixes],
+            "fixes": [f._asdict() for f in self.fixes],
             "stale_references": list(self.stale_references),
             "probes": [asdict(p) for p in self.probes],
             "ok": self.ok,
@@ -77,22 +87,19 @@ class Report(NamedTuple):
 
     def __str__(self) -> str:
         state = "enabled" if self.enabled else f"SWITCHED OFF by {ENABLE_VAR}"
-        lines = [
-            f"diffusers_cudnn_fix: {state}",
-            f"  diffusers {self.diffusers_version or '(not installed)'}, torch {self.torch_version or '(not loaded)'}",
-        ]
-        if self.problem:
-            lines.append(f"  {self.problem}")
+        versions = (
+            f"diffusers {self.diffusers_version or '(not installed)'}, torch {self.torch_version or '(not loaded)'}"
+        )
+        lines = [f"diffusers_cudnn_fix: {state}", f"  {versions}", *([f"  {self.problem}"] if self.problem else [])]
         if not self.module_loaded and self.fixes:
             lines.append(f"  {MODULE_NAME} not imported yet: fixes apply when it is")
         rows = [(f.id, TABLE_SAYS[f.expected], f.detected, "yes" if f.applied else "no", f.reason) for f in self.fixes]
         # Columns as wide as their longest entry, so that they line up whatever the ids and states.
         id_w, table_w, check_w = (max((len(r[i]) for r in rows), default=0) for i in range(3))
-        for fix_id, expected, detected, applied, reason in rows:
-            lines.append(
-                f"  {fix_id:<{id_w}}  table: {expected:<{table_w}}  check: {detected:<{check_w}}  "
-                f"applied: {applied:<3}  {reason}"
-            )
+        lines += [
+            f"  {i:<{id_w}}  table: {table:<{table_w}}  check: {check:<{check_w}}  applied: {applied:<3}  {reason}"
+            for i, table, check, applied, reason in rows
+        ]
         lines += [f"  still holds a shipped function: {ref}" for ref in self.stale_references]
         lines += [f"  GPU probe {p.device}: {p.state} ({p.reason})" for p in self.probes]
         verdict = "OK" if self.ok else "NOT SAFE: see the lines above"

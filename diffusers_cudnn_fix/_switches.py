@@ -28,12 +28,14 @@ _ON_OFF = {
     **dict.fromkeys(("0", "off", "false", "no", "disable", "disabled"), "off"),
 }
 
-# name of the variable -> (spelling -> value, default, value used for a bad spelling)
-_CHOICES: dict[str, tuple[Mapping[str, str], str, str]] = {
-    ENABLE_VAR: (_ON_OFF, "on", "on"),  # a typo must not switch the fixes off
-    MASK_VAR: ({m: m for m in ("convert", "warn", "error")}, "convert", "convert"),
+#: Every switch, the one source of the CLI's help on them: variable -> (spelling -> value, the default first;
+#: value used for a bad spelling; what it does). The skip switch takes fix ids, not spellings.
+SWITCHES: dict[str, tuple[Mapping[str, str], str, str]] = {
+    ENABLE_VAR: (_ON_OFF, "on", "the package on or off"),  # a typo must not switch the fixes off
+    SKIP_VAR: ({}, "", "fixes to leave alone (still checked and reported)"),
+    MASK_VAR: ({m: m for m in ("convert", "warn", "error")}, "convert", "what a bool or wrongly typed mask does"),
     # Someone who typed "stict" wanted strict; the safe reading of a typo is the stricter one.
-    PROBE_VAR: ({m: m for m in ("warn", "strict", "off")}, "warn", "strict"),
+    PROBE_VAR: ({m: m for m in ("warn", "strict", "off")}, "strict", "what a failed GPU probe does"),
 }
 
 _overrides: dict[str, str] = {}  # variable -> value chosen through the API in this process
@@ -49,19 +51,18 @@ def _bad_value(var: str, raw: str, problem: str) -> None:
 def _choice(var: str, *, quiet: bool = False) -> str:
     if var in _overrides:
         return _overrides[var]
-    spellings, default, fallback = _CHOICES[var]
+    spellings, fallback, _ = SWITCHES[var]
     raw = os.environ.get(var, "")
     spelling = raw.strip().lower()
     if spelling and spelling not in spellings and not quiet:
         _bad_value(var, raw, f"not one of {', '.join(spellings)}; using {fallback!r}")
-    return spellings.get(spelling, fallback) if spelling else default
+    return spellings.get(spelling, fallback) if spelling else next(iter(spellings.values()))
 
 
 def _set(var: str, value: str) -> None:
-    spellings = _CHOICES[var][0]
-    chosen = spellings.get(str(value).strip().lower())
+    chosen = SWITCHES[var][0].get(str(value).strip().lower())
     if chosen is None:
-        raise ValueError(f"{var} (and its API twin) takes one of {', '.join(spellings)}, not {value!r}")
+        raise ValueError(f"{var} (and its API twin) takes one of {', '.join(SWITCHES[var][0])}, not {value!r}")
     _overrides[var] = chosen
 
 

@@ -76,6 +76,8 @@ def test_status_reports_each_fix(patched: types.ModuleType) -> None:
             continue
         assert fix.expected is True and fix.detected == "broken" and fix.applied, fix
         assert fix.reason.startswith("fixed:" if fix_id in CORRECTIONS else "guarded:"), fix
+        assert fix.reason_code == ("fixed" if fix_id in CORRECTIONS else "guarded"), fix
+        assert fix.result == ("corrected" if fix_id in CORRECTIONS else "guarded") and not fix.needs_attention, fix
     # The mask guard's line names the mode in force: convert, the default.
     assert "convert" in by_id["cudnn_bool_mask"].reason, by_id["cudnn_bool_mask"]
     data = report.to_dict()
@@ -162,7 +164,8 @@ def test_a_replaced_module_object_is_rechecked(dispatch_module: types.ModuleType
         dispatch_module._cudnn_attention_backward_op = shipped["_cudnn_attention_backward_op"]  # as a reload would
         report = diffusers_cudnn_fix.status()
         kv = next(f for f in report.fixes if f.id == "cudnn_backward_kv")
-        assert not kv.applied and "reloaded" in kv.reason and not report.ok
+        assert not kv.applied and "reloaded" in kv.reason and kv.reason_code == "lost" and not report.ok
+        assert kv.needs_attention and kv.result == "NOT FIXED", kv
         diffusers_cudnn_fix.apply()
         assert diffusers_cudnn_fix.is_patched("_cudnn_attention_backward_op")
         assert (

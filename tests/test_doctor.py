@@ -52,6 +52,8 @@ def go(*args):
 result = {"text": go("--no-gpu"), "verbose": go("--no-gpu", "--verbose"), "json": go("--no-gpu", "--json")}
 result["strict"] = go("--no-gpu", "--require-gpu")  # CI on a GPU host: exit 3 unless verified on a GPU
 result["json_probe"] = go("--json")  # the GPU probe asked for (on a CPU: skipped, with its reason)
+result["subcommand"] = go("doctor", "--no-gpu", "--json")  # the doctor named: the same
+result["before_subcommand"] = go("--no-gpu", "doctor", "--json")  # switches on either side of it
 """
 
 # 0.39.0 only: the table the doctor prints on a GPU, with a row that raises the package's real fp32 error
@@ -164,6 +166,9 @@ def test_the_next_step_comes_first_where_fixes_are_needed() -> None:
     assert "can be removed" not in text.lower()
     data = json.loads(result["json"]["text"])
     assert data["nothing_to_fix"] is False and data["no_gradient_correction_needed"] is False
+    for named in ("subcommand", "before_subcommand"):
+        same = json.loads(result[named]["text"])
+        assert (same["status"], same["exit_status"]) == (data["status"], data["exit_status"]), named
 
 
 @SHARES_0_39_0
@@ -277,6 +282,14 @@ def test_help_is_plain_text_with_exit_statuses_and_switches() -> None:
         assert switch in text, switch
     for switch in ("DIFFUSERS_CUDNN_FIX_MASK=convert|warn|error", "DIFFUSERS_CUDNN_FIX_PROBE=warn|strict|off"):
         assert switch in text, switch
+    # Written from the switch table: every variable, every spelling it accepts, what it does.
+    from diffusers_cudnn_fix import _switches
+
+    for var, (spellings, _, says) in _switches.SWITCHES.items():
+        assert f"  {var}=" in text and _words(says) in _words(text), var
+        assert all(re.search(rf"[ |=]{re.escape(s)}[ |,\n]", text) for s in spellings), (var, text)
+    for command in ("doctor", "run", "verify"):  # the subcommands
+        assert re.search(rf"^\s+{command}\s+\w", text, re.M), (command, text)
     run_help = _doctor_process(None, "run", "--help")
     assert run_help.returncode == 0 and "COMMAND" in run_help.stdout, run_help.stderr
     for code in ("126", "127", str(EXIT_USAGE)):
@@ -284,9 +297,14 @@ def test_help_is_plain_text_with_exit_statuses_and_switches() -> None:
 
 
 def test_a_usage_error_has_its_own_exit_status(tmp_path: Path) -> None:
-    bad = _doctor_process(None, "--no-such-switch")
-    assert bad.returncode == EXIT_USAGE, (bad.returncode, bad.stderr)
-    assert "--no-such-switch" in bad.stderr and bad.stdout == ""
+    for args in (["--no-such-switch"], ["doctor", "--no-such-switch"], ["--no-such-switch", "doctor"]):
+        bad = _doctor_process(None, *args)
+        assert bad.returncode == EXIT_USAGE, (args, bad.returncode, bad.stderr)
+        assert "--no-such-switch" in bad.stderr and bad.stdout == "", (args, bad.stderr)
+    unknown = _doctor_process(None, "no-such-command")
+    assert unknown.returncode == EXIT_USAGE and "no-such-command" in unknown.stderr, unknown.stderr
+    verify_help = _doctor_process(None, "verify", "--help")  # verify's own options, forwarded to it
+    assert verify_help.returncode == 0 and "--nproc" in verify_help.stdout, verify_help.stderr
     # diffusers cannot be imported here, whatever the interpreter running the tests has installed.
     no_diffusers = _doctor_process(None, "--no-gpu", hide_diffusers=tmp_path)
     assert no_diffusers.returncode == 2, (no_diffusers.returncode, no_diffusers.stdout, no_diffusers.stderr)
@@ -294,13 +312,13 @@ def test_a_usage_error_has_its_own_exit_status(tmp_path: Path) -> None:
 
 
 def test_a_correction_for_some_runs_only_counts_where_its_check_is_not_sure(monkeypatch) -> None:
-    """An ``only_for`` correction found broken is named as the condition of the "can be removed" advice (the
-    registry's log says the same); one whose check could not tell ("unknown") keeps the advice from being given,
-    as the registry's log does. On a release outside its ``only_for_on`` (ring attention on 0.39.0, wrong at any
-    degree) it counts as any correction."""
+    """An ``only_for`` correction found broken is named as the condition of the "can be removed" advice; one whose
+    check could not tell ("unknown") keeps the advice from being given. One decision (``_registry.advice``), which
+    the doctor and the registry's log both give. On a release outside its ``only_for_on`` (ring attention on
+    0.39.0, wrong at any degree) it counts as any correction."""
     import types
 
-    from diffusers_cudnn_fix import __main__ as doctor
+    from diffusers_cudnn_fix import _registry
     from diffusers_cudnn_fix.fixes import ALL_FIXES
 
     conditional = next(fix for fix in ALL_FIXES if fix.only_for_on)
@@ -310,21 +328,19 @@ def test_a_correction_for_some_runs_only_counts_where_its_check_is_not_sure(monk
     assert conditional.only_for == conditional.only_for_on[1] and conditional.upstream_folder is not None
 
     def needs(state: str) -> dict:
-        fixes = [
-            {
-                "id": f.id,
-                "detected": state if f is conditional else "ok",
-                "applied": f is conditional and state == "broken",
-            }
-            for f in ALL_FIXES
-        ]
-        return doctor._needs(fixes, live={})
+        shipped = {f.id: state if f is conditional else "ok" for f in ALL_FIXES}
+        return _registry.advice(shipped, [conditional.id] if state == "broken" else [])
 
     broken = needs("broken")
-    assert broken["no_gradient_correction_needed"] is True, broken
+    assert broken["no_gradient_correction_needed"] is True and broken["nothing_to_fix"] is False, broken
     assert broken["needed_only_for"] == {conditional.id: conditional.only_for}, broken
+    assert conditional.id not in broken["corrections"], broken
     unknown = needs("unknown")
-    assert unknown["no_gradient_correction_needed"] is False, unknown
+    assert unknown["no_gradient_correction_needed"] is False and unknown["nothing_to_fix"] is False, unknown
+    assert needs("ok")["nothing_to_fix"] is True
+    monkeypatch.setitem(sys.modules, "diffusers", types.SimpleNamespace(__version__="0.39.0"))
+    on_039 = needs("broken")
+    assert on_039["no_gradient_correction_needed"] is False and conditional.id in on_039["corrections"], on_039
 
 
 def test_where_a_bug_is_open_the_doctor_points_at_its_upstream_folder() -> None:

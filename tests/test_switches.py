@@ -214,6 +214,8 @@ def test_values_are_case_insensitive_and_stripped_in_the_environment() -> None:
         assert by_id[fix_id]["applied"] is False, by_id[fix_id]
         assert by_id[fix_id]["detected"] == "broken", by_id[fix_id]
         assert "skip" in by_id[fix_id]["reason"].lower(), by_id[fix_id]
+        assert by_id[fix_id]["reason_code"] == "skipped", by_id[fix_id]
+        assert by_id[fix_id]["result"] == "NOT FIXED (skipped)", by_id[fix_id]
     assert result["kv_corrected"] is False
     assert by_id["cudnn_forward_lse"]["applied"] is True and by_id["cudnn_bool_mask"]["applied"] is True
     assert status["ok"] is False  # a skipped broken fix is not OK
