@@ -72,6 +72,13 @@ class UnsafeAttentionError(RuntimeError):
     """
 
 
+def explain(cause: str, consequence: str, way_out: str, section: str) -> str:
+    """A problem as the package says it: the cause, the consequence and the way out, one line each, the last
+    naming where the long explanation lives once: ``section`` of the docs, ``"fixes.md#<fix id>"`` for a fix's
+    (docs/fixes.md has a section per fix). Each part is one sentence or a few, with no line break of its own."""
+    return f"diffusers_cudnn_fix: {cause}\n{consequence}\n{way_out} See docs/{section}."
+
+
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 #: Notices: the run is right, the message only says what the package did. Under torchrun every rank meets
