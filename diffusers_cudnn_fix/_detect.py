@@ -448,6 +448,17 @@ def rebuilt_around(fn: Any, shipped: Any, inner: Any) -> types.FunctionType | No
     return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
 
 
+def rebuilt_with(fn: Any, record: Any) -> Any:
+    """The replacement ``fn`` as its builder makes it when handed ``record`` instead of the record of the same type
+    it was handed (held in its closure): the builder's seam, used on a built replacement. ``fn`` itself where it
+    holds no such record (diffusers' own function)."""
+    closure = getattr(fn, "__closure__", None) or ()
+    if not isinstance(fn, types.FunctionType) or not any(type(_content(c)) is type(record) for c in closure):
+        return fn
+    cells = tuple(types.CellType(record) if type(_content(c)) is type(record) else c for c in closure)
+    return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+
+
 def _content(cell: Any) -> Any:
     try:
         return cell.cell_contents
@@ -613,8 +624,8 @@ def run_ring(
     forward: Any, backward: Any, step: Any, backward_op: Any, *, world: int, gather: Any, permute: Any, shape: Any
 ) -> tuple[Any, Any]:
     """Run a ring ``forward``, then its ``backward``, as rank 0 of ``world`` ranks in this process, with stand-in
-    collectives (``gather``, ``permute``) and attention ops on zero q/k/v of ``shape``; the package's corrected
-    ring drives ``backward_op`` as a known step op (its ``STEP_OPS``). Returns (output, gradients).
+    collectives (``gather``, ``permute``) and attention ops on zero q/k/v of ``shape``; a corrected ring must have
+    been built to drive ``backward_op`` (:func:`rebuilt_with`). Returns (output, gradients).
 
     The stand-in forward op returns ``step(k)``, (output, log-sum-exp) for a step's K, and saves what the
     0.36-0.39 ops save, in kernel layout."""
@@ -638,5 +649,5 @@ def run_ring(
         ctx, q, k, v, None, 0.0, False, None, False, False, forward_op, backward_op,
         types.SimpleNamespace(context_parallel_config=config),
     )  # fmt: skip
-    grads = with_globals(backward, funcol=collectives, STEP_OPS={backward_op: True})(ctx, torch.zeros(shape))
+    grads = with_globals(backward, funcol=collectives)(ctx, torch.zeros(shape))
     return result, grads

@@ -81,7 +81,8 @@ class ThreadRing:
 
 def with_funcol(fn: Any, collectives: Any) -> Any:
     """A copy of ``fn`` that sees ``collectives`` as its module global ``funcol``."""
-    return types.FunctionType(fn.__code__, {**fn.__globals__, "funcol": collectives}, fn.__name__, fn.__defaults__)
+    globals_ = {**fn.__globals__, "funcol": collectives}
+    return types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def _reference(

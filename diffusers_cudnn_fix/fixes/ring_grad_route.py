@@ -9,22 +9,37 @@ refused (docs/fixes.md). Id of 0.2.x: ``ring_backward`` (still accepted by the s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .. import _detect
 from .._fix import Finding, Lookup
+from .._warnings import explain
 
 FIX_ID = "ring_grad_route"
 #: The largest ring degree whose K/V gradients 0.40+'s route gets right (any backend's op runs there).
 RIGHT_UP_TO = 2
 #: diffusers' own backward ops (0.40 on) that the corrected ring drives at any ring degree.
 OPS = ("_cudnn_attention_backward_op", "_native_flash_attention_backward_op")
+#: Where the long explanation of every ring refusal lives.
+DOCS = f"fixes.md#{FIX_ID}"
 WAY_OUT = (
-    "Train with Ulysses context parallelism (ContextParallelConfig(ulysses_degree=...)) for these inputs. "
-    f"DIFFUSERS_CUDNN_FIX_SKIP={FIX_ID} lets diffusers' own ring backward run (wrong gradients)."
+    "Train these inputs with Ulysses (ContextParallelConfig(ulysses_degree=...)); "
+    f"DIFFUSERS_CUDNN_FIX_SKIP={FIX_ID} runs diffusers' own ring backward (wrong gradients)."
 )
+
+
+@dataclass(frozen=True)
+class StepOps:
+    """The backward ops a corrected ring may drive, each mapped to whether it reads a ring step's tensors from
+    ``ctx.saved_tensors`` (the package's corrected ops, 0.36-0.39) rather than from keywords (diffusers' own,
+    0.40 on). The ring's builder is handed it (``targets/ring.py``); the check hands its stand-in op the same
+    way (:func:`_detect.rebuilt_with`)."""
+
+    reads_saved: Mapping[Any, bool]
 
 
 def refusal(world: int, attn_mask: Any, dropout_p: float, is_causal: bool, enable_gqa: bool) -> str | None:
@@ -46,21 +61,26 @@ def refusal(world: int, attn_mask: Any, dropout_p: float, is_causal: bool, enabl
 def unsupported_backend_message(backward_op: Any, degree: int, *, first_step: bool) -> str:
     """Why the ring backward refuses ``backward_op`` at ring ``degree`` (``first_step``: 0.36-0.39's bug)."""
     name = f"{getattr(backward_op, '__module__', '?')}.{getattr(backward_op, '__qualname__', repr(backward_op))}"
-    bug, fixed_by, other = (
-        ("every ring step's backward reuses the first step's tensors (fixed in diffusers 0.40.0, #14274)",
-         " with their corrected backward ops (fixes cudnn_backward_kv, flash_backward_kv)",
-         "diffusers >= 0.40 (right with every backend at ring_degree 2, at any with these two and this package)")
-        if first_step else
-        (f"from ring_degree 3 on it passes the K/V gradient accumulator the other way round the ring from the K/V "
-         f"chunks; this call has ring_degree {degree}", "",
-         "ring_degree=2 with Ulysses for the rest (ContextParallelConfig(ring_degree=2, ulysses_degree=...))")
-    )  # fmt: skip
-    return (
-        f"diffusers_cudnn_fix: ring context parallelism (ring_degree > 1, also unified attention) in this diffusers "
-        f"computes wrong K/V gradients: {bug}. The package corrects it for the _native_cudnn and _native_flash "
-        f"backends{fixed_by}; this call's backward op is {name}. Use one of those, Ulysses "
-        f"(ContextParallelConfig(ulysses_degree=...)), or {other}; ring inference is not affected. "
-        f"DIFFUSERS_CUDNN_FIX_SKIP={FIX_ID} lets diffusers' own (wrong) ring backward run."
+    if first_step:
+        cause = (
+            f"this diffusers' ring backward reuses the first ring step's tensors (fixed in 0.40.0), and the "
+            f"package corrects it only with the corrected _native_cudnn / _native_flash backward ops "
+            f"(cudnn_backward_kv, flash_backward_kv); this call's is {name}."
+        )
+        other = "one of those backends, or diffusers >= 0.40"
+    else:
+        cause = (
+            f"from ring_degree 3 on (this call: {degree}) this diffusers routes the K/V gradients wrong, and the "
+            f"package corrects that for the _native_cudnn and _native_flash backends only; this call's backward "
+            f"op is {name}."
+        )
+        other = "one of those backends, or ring_degree=2 with Ulysses for the rest"
+    return explain(
+        cause,
+        "Its K/V gradients would be wrong (ring inference is not affected), so the backward is refused.",
+        f"Use {other}, or Ulysses (ContextParallelConfig(ulysses_degree=...)); DIFFUSERS_CUDNN_FIX_SKIP={FIX_ID} "
+        "runs diffusers' own ring backward (wrong gradients).",
+        DOCS,
     )
 
 
@@ -108,8 +128,9 @@ def _drive(forward: Any, backward: Any, lse_ndim: int) -> tuple[dict[str, Any], 
         return torch.roll(x.reshape(-1, _WORLD), shifts=senders[0], dims=1).reshape(x.shape)
 
     try:
+        driving = _detect.rebuilt_with(backward, StepOps({backward_op: True}))
         result, grads = _detect.run_ring(
-            forward, backward, step, backward_op, world=_WORLD, permute=permute_tensor, shape=(1, 2, 1, _WORLD),
+            forward, driving, step, backward_op, world=_WORLD, permute=permute_tensor, shape=(1, 2, 1, _WORLD),
             gather=lambda x, gather_dim=0, group=None: torch.cat([x + r for r in range(_WORLD)]),
         )  # fmt: skip
         seen["merged"] = _mean(result[0] if isinstance(result, tuple) else result)

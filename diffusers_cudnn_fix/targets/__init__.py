@@ -1,6 +1,7 @@
 """The replaced targets, grouped by what is patched: one replacement per attribute of diffusers' attention
 module, built once from the set of fixes found broken (each group's ``build(shipped, broken)``). The cuDNN and
-flash ops are built first, in one group with the Ulysses classes, which are handed them (``ulysses.build``)."""
+flash ops are built first, in one group with the Ulysses and ring classes, which are handed them (``ulysses.build``,
+``ring.build``): a replacement learns of another through its builder's arguments."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from . import cudnn, flash, ring, ulysses
 
 def _build_attention(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
     ops = {**cudnn.build(shipped, broken), **flash.build(shipped, broken)}
-    return {**ops, **ulysses.build(shipped, broken, ops)}
+    return {**ops, **ulysses.build(shipped, broken, ops), **ring.build(shipped, broken, ops)}
 
 
-GROUPS = (SimpleNamespace(POLICIES=cudnn.POLICIES | flash.POLICIES | ulysses.POLICIES, build=_build_attention), ring)
+POLICIES = cudnn.POLICIES | flash.POLICIES | ulysses.POLICIES | ring.POLICIES
+GROUPS = (SimpleNamespace(POLICIES=POLICIES, build=_build_attention),)

@@ -29,7 +29,6 @@ from ..fixes.cudnn_bool_mask import mask_policy
 from ..fixes.cudnn_forward_lse import corrected_forward
 from ..fixes.cudnn_input_dtypes import refuse_unsupported_dtypes
 from ..fixes.cudnn_masked_row_grads import without_masked_rows
-from .ring import STEP_OPS
 
 FORWARD_POLICIES = frozenset({"cudnn_forward_lse", "cudnn_input_dtypes", "cudnn_bool_mask"})
 BACKWARD_POLICIES = frozenset({"cudnn_backward_kv", "cudnn_masked_row_grads"})
@@ -112,5 +111,4 @@ def backward_op(shipped: Any, broken: frozenset[str]) -> Any:
     cudnn_attention_backward_op.__doc__ = (
         f"diffusers' cuDNN backward op with the policies of {sorted(broken & BACKWARD_POLICIES)}."
     )
-    STEP_OPS[cudnn_attention_backward_op] = correct  # the corrected ring drives it (with its saved tensors: correct)
     return cudnn_attention_backward_op

@@ -20,7 +20,6 @@ from .._layout import entering, realigned_all
 from ..fixes import FLASH_BACKEND, FLASH_BACKWARD, FLASH_FORWARD
 from ..fixes.flash_backward_kv import corrected_backward
 from ..fixes.flash_cp_ignored import refuse_context_parallel, refuses_return_lse
-from .ring import STEP_OPS
 
 POLICIES = frozenset({"flash_input_alignment", "flash_backward_kv", "flash_cp_ignored"})
 #: ``enable_gqa``'s position among the forward op's arguments after q, k, v (mask, dropout, causal, scale, gqa).
@@ -33,7 +32,6 @@ def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
         built[FLASH_FORWARD] = aligned_forward(shipped(FLASH_FORWARD))
     if "flash_backward_kv" in broken:
         built[FLASH_BACKWARD] = corrected_backward
-        STEP_OPS[corrected_backward] = True  # the corrected ring drives it with its saved tensors
     if "flash_cp_ignored" in broken:
         built[FLASH_BACKEND] = guarded_backend(shipped(FLASH_BACKEND))
     return built

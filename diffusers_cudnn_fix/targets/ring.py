@@ -11,7 +11,6 @@ diffusers' own ops' per-step keywords (:func:`keyword_step_backward`).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,8 +20,9 @@ import torch.nn.functional as F
 
 from .._detect import RING_FORWARD_PARAMS, Lookup
 from .._layout import kernel_layout, realigned_all, with_strides_of
-from .._warnings import UnsafeAttentionError
-from ..fixes import RING_BACKWARD, RING_FORWARD, ring_grad_route
+from .._warnings import UnsafeAttentionError, explain
+from ..fixes import CUDNN_BACKWARD, FLASH_BACKWARD, RING_BACKWARD, RING_FORWARD, ring_grad_route
+from ..fixes.ring_grad_route import StepOps
 
 if torch.distributed.is_available():
     from torch.distributed import _functional_collectives as funcol
@@ -34,14 +34,6 @@ POLICIES = frozenset({"ring_grad_route"})
 INPUTS = len(RING_FORWARD_PARAMS) - 1
 #: Where the corrected forward leaves what the corrected backward needs, on the autograd context.
 RECORD = "_diffusers_cudnn_fix_ring"
-
-
-#: The backward ops the corrected ring drives -> whether the op reads a step's tensors from
-#: ``ctx.saved_tensors`` (the package's corrected ops, 0.36-0.39) rather than from keywords (0.40's ops): the
-#: package's cuDNN / flash backward ops (registered by their builds) and, 0.40 on, diffusers' own (by
-#: :func:`build`). A module global, not a closure: the checks run the backward as a copy that sees their
-#: stand-in op here.
-STEP_OPS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -68,14 +60,31 @@ class StepContext:
         return getattr(self._ctx, name)
 
 
-def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
-    """The corrected ring where ``ring_grad_route`` is broken."""
+def build(shipped: Lookup, broken: frozenset[str], ops: dict[str, Any]) -> dict[str, Any]:
+    """The corrected ring where ``ring_grad_route`` is broken, driving the backward ops it knows: the package's
+    (``ops``, built before it: the corrected ones read a step's saved tensors) and, 0.40 on, diffusers' own."""
     if "ring_grad_route" not in broken:
         return {}
-    backward = saved_step_backward if ring_grad_route.reuses_first_step(shipped) else keyword_step_backward
-    if backward is keyword_step_backward:
-        STEP_OPS.update({shipped(n): False for n in ring_grad_route.OPS if shipped(n) is not None})
+    saved = ring_grad_route.reuses_first_step(shipped)
+    steps = {} if saved else {shipped(n): False for n in ring_grad_route.OPS if shipped(n) is not None}
+    if CUDNN_BACKWARD in ops:
+        steps[ops[CUDNN_BACKWARD]] = "cudnn_backward_kv" in broken
+    if FLASH_BACKWARD in ops:
+        steps[ops[FLASH_BACKWARD]] = True  # built only where it corrects the K/V
+    backward = ring_backward(StepOps(steps), saved=saved)
     return {RING_FORWARD: staticmethod(ring_attention_forward), RING_BACKWARD: staticmethod(backward)}
+
+
+def ring_backward(steps: StepOps, *, saved: bool) -> Callable[..., tuple[torch.Tensor | None, ...]]:
+    """``TemplatedRingAttention.backward``'s replacement driving the ops of ``steps``: from their saved tensors
+    (``saved``, 0.36-0.39: :func:`saved_step_backward`) or their keywords (:func:`keyword_step_backward`)."""
+    step_backward = saved_step_backward if saved else keyword_step_backward
+
+    def ring_attention_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tuple[torch.Tensor | None, ...]:
+        # ``funcol`` read here, in the replacement's own globals: the checks run a copy with stand-ins there.
+        return step_backward(ctx, grad_out, steps, funcol)
+
+    return ring_attention_backward
 
 
 def _split_kv(chunk: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,21 +158,33 @@ def _recorded(ctx: Any) -> RingRecord:
     record = getattr(ctx, RECORD, None)
     if not isinstance(record, RingRecord):
         raise UnsafeAttentionError(
-            "diffusers_cudnn_fix: this ring attention's forward ran before the package corrected the ring (apply() "
-            f"between a forward and its backward?): its backward cannot be corrected. {ring_grad_route.WAY_OUT}"
+            explain(
+                "this ring attention's forward ran before the package corrected the ring (apply() between a "
+                "forward and its backward?).",
+                "Its backward cannot be corrected, and diffusers' own would give wrong K/V gradients.",
+                "Call apply() before the forward (import the package first). " + ring_grad_route.WAY_OUT,
+                ring_grad_route.DOCS,
+            )
         )
     if record.refusal is not None:
         raise UnsafeAttentionError(
-            f"diffusers_cudnn_fix: ring context parallelism's backward is corrected without masks, dropout, causal "
-            f"attention or GQA; this call has {record.refusal}. {ring_grad_route.WAY_OUT}"
+            explain(
+                f"ring context parallelism's backward is corrected without masks, dropout, causal attention or "
+                f"GQA; this call has {record.refusal}.",
+                "Its gradients would be wrong, so the backward is refused.",
+                ring_grad_route.WAY_OUT,
+                ring_grad_route.DOCS,
+            )
         )
     return record
 
 
-def saved_step_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tuple[torch.Tensor | None, ...]:
+def saved_step_backward(
+    ctx: Any, grad_out: torch.Tensor, steps: StepOps, collectives: Any
+) -> tuple[torch.Tensor | None, ...]:
     """0.36 to 0.39: each ring step's gradients from the package's corrected backward op, handed that step's
-    K/V with the merged output and log-sum-exp as its saved tensors (``STEP_OPS``: the checks' stand-in too)."""
-    if not STEP_OPS.get(ctx.backward_op, False):
+    K/V with the merged output and log-sum-exp as its saved tensors."""
+    if not steps.reads_saved.get(ctx.backward_op, False):
         degree = ctx._parallel_config.context_parallel_config.ring_degree
         raise UnsafeAttentionError(
             ring_grad_route.unsupported_backend_message(ctx.backward_op, degree, first_step=True)
@@ -181,15 +202,17 @@ def saved_step_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tuple[t
         step_ctx = StepContext(ctx, (query, step_key, step_value, out, lse, *rest))
         return tuple(ctx.backward_op(step_ctx, grad_out)[:3])
 
-    return ring_gradients(ctx, grad_out, key, value, step_grads, funcol)
+    return ring_gradients(ctx, grad_out, key, value, step_grads, collectives)
 
 
-def keyword_step_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tuple[torch.Tensor | None, ...]:
+def keyword_step_backward(
+    ctx: Any, grad_out: torch.Tensor, steps: StepOps, collectives: Any
+) -> tuple[torch.Tensor | None, ...]:
     """0.40 on: each ring step's gradients from diffusers' own backward op (behind the package's wrapper, if
     any), handed that step's K/V with the merged output and log-sum-exp as keywords, as 0.40 does."""
     record = _recorded(ctx)
     degree = ctx._parallel_config.context_parallel_config.ring_degree
-    if degree > ring_grad_route.RIGHT_UP_TO and ctx.backward_op not in STEP_OPS:
+    if degree > ring_grad_route.RIGHT_UP_TO and ctx.backward_op not in steps.reads_saved:
         raise UnsafeAttentionError(
             ring_grad_route.unsupported_backend_message(ctx.backward_op, degree, first_step=False)
         )
@@ -202,7 +225,7 @@ def keyword_step_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tuple
         )
         return tuple(grads[:3])
 
-    return ring_gradients(ctx, grad_out, key, value, step_grads, funcol)
+    return ring_gradients(ctx, grad_out, key, value, step_grads, collectives)
 
 
 def ring_gradients(
@@ -219,7 +242,7 @@ def ring_gradients(
     (dQ, dK, dV) for our queries. dQ is summed here; the chunk's dK/dV are added to the accumulator that
     arrived from rank ``rank - 1`` (which has just worked on the same chunk) and passed on to rank
     ``rank + 1``: after the last step that is the chunk's owner, for any ring degree. ``collectives`` is the
-    caller's ``funcol`` (the checks and test harnesses hand the caller stand-ins through its globals).
+    replacement's ``funcol`` (the checks and test harnesses hand it stand-ins through its globals).
     """
     config = ctx._parallel_config.context_parallel_config
     group = config._ring_mesh.get_group()
