@@ -16,6 +16,7 @@ those run fresh (the default).
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import shutil
@@ -122,6 +123,20 @@ def run(
     result = json.loads(lines[-1])
     result["_stderr"] = stderr
     return result
+
+
+_FIX_STATES = (
+    "import json, diffusers_cudnn_fix, diffusers.models.attention_dispatch\n"
+    "print(json.dumps({f.id: [f.detected, f.applied, f.reason_code] for f in diffusers_cudnn_fix.status().fixes}))\n"
+)
+
+
+@functools.cache
+def fix_states(version: str) -> dict[str, list]:
+    """Each fix's ``[detected, applied, reason_code]`` (``status()``) once diffusers ``version``'s attention module
+    is imported with the package, in a fresh interpreter; cached per process (tests/fixes/ read it per fix)."""
+    result = run(release_dir(version), _FIX_STATES, preloaded=True)
+    return {fix: states for fix, states in result.items() if fix != "_stderr"}
 
 
 #: What the preloaded interpreter imports before it forks: torch, and what diffusers imports of it that costs

@@ -1,7 +1,8 @@
 """Key-padding masks (``diffusers_cudnn_fix/_key_padding.py``): the harness the tests share, and the runs made
 in fresh interpreters.
 
-* ``tests/test_key_padding.py`` (CPU stand-ins) imports the helpers; its 0.42.1 case runs :func:`main_cases`.
+* ``tests/fixes/test_cudnn_bool_mask.py`` (CPU stand-ins) imports the helpers; its 0.42.1 case runs
+  :func:`main_cases`.
 * ``tests/test_gpu_key_padding.py`` runs :func:`main` per release on real cuDNN (``DCF_KEYPAD_DEVICE=cpu``: the
   same on the CPU stand-ins, to try it without a GPU).
 

@@ -67,7 +67,7 @@ UNIFIED_WITHOUT = run_on(AFFECTED)
 UNIFIED = "unified"
 #: Ring degree 4 (4 ranks): 0.40.0 and 0.41.0 with the package, as a second case of the 4-rank unified job
 #: (its ranks are up already: no extra job); without it on 0.40.0 (the control), in a 4-rank job of its own
-#: (key ``"ring4"``). 0.42.x's ring, the same code, runs in one process in tests/test_guards.py.
+#: (key ``"ring4"``). 0.42.x's ring, the same code, runs in one process in tests/fixes/test_ring_grad_route.py.
 RING4 = "ring4"
 RING4_WITH = ("0.40.0", "0.41.0")
 RING4_WITHOUT = ("0.40.0",)

@@ -85,34 +85,3 @@ def test_the_check_leaves_the_checked_functions_untouched(dispatch_module: types
     assert trace.first(_detect.CUDNN_FORWARD_KERNEL) is not None
     assert forward.__globals__["torch"] is torch
     assert dict(forward.__globals__) == globals_before
-
-
-# ------------------------------------------------------------------------------------------------------------
-# The ring check (fixes/ring_grad_route.py): forward and backward with stand-in collectives and ops
-# ------------------------------------------------------------------------------------------------------------
-def test_ring_check_tells_the_shipped_ring_from_the_corrected_one(patched: types.ModuleType) -> None:
-    """0.39.0: the shipped ring's steps reuse the first step's tensors; the package's own ring sees each step's
-    K/V and routes each chunk's gradient to its owner. 0.40.0 and later (the route broken) run in
-    tests/test_guards.py, in a fresh interpreter."""
-    import diffusers_cudnn_fix
-    from diffusers_cudnn_fix.fixes import RING_BACKWARD, RING_FORWARD, ring_grad_route
-
-    cls = patched.TemplatedRingAttention
-    shipped = {t: diffusers_cudnn_fix.get_original(t).__func__ for t in (RING_FORWARD, RING_BACKWARD)}
-    installed = {RING_FORWARD: cls.forward, RING_BACKWARD: cls.backward}
-    globals_before = dict(shipped[RING_BACKWARD].__globals__)
-
-    def lookup(objects: dict) -> object:
-        return lambda name: cls if name == "TemplatedRingAttention" else objects.get(name)
-
-    found = ring_grad_route.check(lookup(shipped))
-    assert found.state == "broken" and "each step's K/V" in found.detail, found
-    assert ring_grad_route.reuses_first_step(lookup(shipped))
-    found = ring_grad_route.check(lookup(installed))
-    assert found.state == "ok" and "reaches its owner" in found.detail, found
-    # The corrected backward after diffusers' own forward (which keeps nothing for it) refuses to run: the check
-    # cannot call that pair right, and says so.
-    mixed = {**installed, RING_FORWARD: shipped[RING_FORWARD]}
-    assert ring_grad_route.check(lookup(mixed)).state == "unknown"
-    # The stand-in collectives reached copies only.
-    assert dict(shipped[RING_BACKWARD].__globals__) == globals_before

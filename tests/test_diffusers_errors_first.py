@@ -8,8 +8,8 @@ op, by running it, whether it refuses ``enable_gqa`` itself, and hands such a ca
 QwenImage and key-padding refusals come after diffusers' own checks by construction (tested elsewhere).
 
 In process: diffusers 0.39.0 (conftest) with the fixes applied; the Ulysses class at degree 1 with stand-in
-collectives. Fix ids: ``cudnn_input_dtypes``, ``cudnn_bool_mask``, ``ulysses_mask_grad``,
-``flash_input_alignment``.
+collectives. Fix ids: ``cudnn_input_dtypes``, ``cudnn_bool_mask``, ``ulysses_mask_grad`` (the flash forward's,
+``flash_input_alignment``: tests/fixes/test_flash_input_alignment.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from harness import op_pair, pair_config, stand_in_collectives, ulysses_attentio
 import diffusers_cudnn_fix
 
 CUDNN_GQA = "`enable_gqa` is not yet supported for cuDNN attention."
-FLASH_GQA = "`enable_gqa` is not yet supported for native flash attention."
 
 
 @pytest.fixture()
@@ -87,14 +86,3 @@ def test_ulysses_leaves_an_enable_gqa_call_to_diffusers_own_error(
     config = ulysses_config(stand_in_collectives(patched, monkeypatch), convert_to_fp32=False)
     with pytest.raises(ValueError, match=CUDNN_GQA):
         ulysses_attention(patched, q, k, v, mask, config=config, enable_gqa=True)
-
-
-def test_the_flash_op_leaves_enable_gqa_to_diffusers(patched: types.ModuleType) -> None:
-    """The flash forward's replacement also hands an enable_gqa call to diffusers' op untouched."""
-    import torch
-
-    assert diffusers_cudnn_fix.is_patched("_native_flash_attention_forward_op")
-    q, k, v = (torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16) for _ in range(3))
-    ctx = types.SimpleNamespace(save_for_backward=lambda *t: None)
-    with pytest.raises(ValueError, match=FLASH_GQA):
-        patched._native_flash_attention_forward_op(ctx, q, k, v, None, 0.0, False, None, True, False)

@@ -1,9 +1,10 @@
 """Key-padding masks on real cuDNN (marker ``gpu``): the op on the valid keys alone against the biased path.
 
 One fresh interpreter per release (0.39.0: the package's corrected op pair; 0.42.1: diffusers' own ops behind
-the package's wrappers) runs ``subprocess_key_padding.main``: the fixed cases of ``tests/test_key_padding.py`` at a
-larger size and seeded random cases (B 1..3, fully padded batch elements, every mask shape, bool and additive,
-padding in the middle), each run with the fast path and on the biased path (a context whose backward op cannot scatter),
+the package's wrappers) runs ``subprocess_key_padding.main``: the fixed key-padding cases of
+``tests/fixes/test_cudnn_bool_mask.py`` at a larger size and seeded random cases (B 1..3, fully padded batch
+elements, every mask shape, bool and additive, padding in the middle), each run with the fast path and on the
+biased path (a context whose backward op cannot scatter),
 both against an fp32 reference; the dropped keys' dK/dV must be exactly 0. Set ``DIFFUSERS_CUDNN_FIX_RESULTS``
 to keep the raw JSON (``gpu-key-padding-<version>.json``).
 """

@@ -21,7 +21,8 @@ from releases import BROKEN_CUDNN, BROKEN_FLASH, RELEASES, release_dir, run
 pytestmark = pytest.mark.slow
 
 SCRIPT = "import subprocess_op_pair_grads as s; s.main({order!r}, control={control!r}, ulysses={ulysses!r})"
-# 0.36.0's Ulysses backward raises for every backend (11 gradients for 12 inputs): test_guards.py has it.
+# 0.36.0's Ulysses backward raises for every backend (11 gradients for 12 inputs):
+# tests/fixes/test_ulysses_grad_count.py has it.
 ULYSSES_RELEASES = tuple(v for v in RELEASES if v not in ("0.35.2", "0.36.0"))
 
 _jobs: dict[tuple[str, str], object] = {}

@@ -3,6 +3,10 @@ it, so a run that sets the backend after ``enable_parallelism`` (``set_attention
 ``attention_backend()`` context manager entered later) attends to each rank's shard alone, silently. With the
 package the call is refused, naming the way out; diffusers' own errors for that backend still come first.
 
+* The check: broken on 0.36.0, ok on 0.37.0 and 0.42.1 (the backend runs context-parallel attention there).
+* The policy: on 0.36.0 the call is refused; without context parallelism the backend runs as shipped.
+* The control: reverted, 0.36.0's call returns each rank's shard's attention without a word.
+
 Each release in a fresh interpreter: diffusers' own ``dispatch_attention_fn`` inside its own
 ``attention_backend("_native_flash")`` context manager, with diffusers' own ``ParallelConfig`` of Ulysses degree 2
 (on the CPU, where F.scaled_dot_product_attention has a flash kernel).
