@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _switches
 from ._fix import Finding, Fix, release_table_lists
-from ._warnings import FixNotAppliedWarning, ReleaseTableMismatchWarning, StaleReferenceWarning, logger, report
+from ._warnings import FixNotAppliedWarning, ReleaseTableMismatchWarning, StaleReferenceWarning, explain, logger, report
 from .fixes import ALL_FIXES
 
 if TYPE_CHECKING:
@@ -40,20 +40,23 @@ _UNFIXED: dict[str, tuple[ReasonCode, str]] = {
 }
 
 #: What apply() warns of, by reason code (skipped: where the fix is found broken).
-_WARNINGS = {
-    "skipped": "'{id}' ({title}) is broken in the installed diffusers and left unfixed because "
-    f"{_switches.SKIP_VAR} names it",
-    "failed": "'{id}' NOT applied: {reason}",
-    "unknown": "'{id}' ({title}) {reason}. Training with this backend under context parallelism may give wrong "
-    "gradients; please report your diffusers version",
-}
+_WARNINGS = {  # cause, consequence, way out
+    "skipped": (f"'{{id}}' ({{title}}) is broken in the installed diffusers and {_switches.SKIP_VAR} names it.",
+                "It is left unfixed: training that meets it may give wrong outputs or gradients.",
+                f"Remove it from {_switches.SKIP_VAR} to have it fixed."),
+    "failed": ("'{id}' NOT applied: {reason}.", "The bug stays: training that meets it may give wrong gradients.",
+               "Please report your diffusers and torch versions; avoid the backend or release it affects."),
+    "unknown": ("'{id}' ({title}) {reason}.", "Training with this backend under context parallelism may give "
+                "wrong gradients.", "Please report your diffusers version."),
+}  # fmt: skip
 
 #: What the release table says against the check, by (state found, release listed as carrying the bug).
 _MISMATCHES: dict[tuple[str, bool | None], str] = {
     ("absent", True): "carries '{}', but the functions it patches are not there (renamed?): nothing to fix",
-    ("ok", True): "carries '{}', but the installed code does not; acting on the code",
-    ("broken", False): "does not carry '{}', but the installed code does; acting on the code",
+    ("ok", True): "carries '{}', but the installed code does not",
+    ("broken", False): "does not carry '{}', but the installed code does",
 }
+_ACTS = "The package acts on what its check finds in the code."
 
 
 @dataclass(frozen=True)
@@ -263,8 +266,11 @@ def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> None:
             reason = f"{words}: {finding.detail}"
         _state.records[fix.id] = _Record(finding, reason, code)
         if code in _WARNINGS and (code != "skipped" or finding.state == "broken"):
-            warning = _WARNINGS[code].format(id=fix.id, title=fix.title, reason=reason)
-            report(f"diffusers_cudnn_fix: {warning}.", FixNotAppliedWarning)
+            one_line = " ".join(reason.split())
+            cause, consequence, way_out = (
+                part.format(id=fix.id, title=fix.title, reason=one_line) for part in _WARNINGS[code]
+            )
+            report(explain(cause, consequence, way_out, f"fixes.md#{fix.id}"), FixNotAppliedWarning)
     _state.seen = {t: raw_get(module, t) for fix in fixes for t in fix.targets}
 
 
@@ -322,8 +328,12 @@ def _rebind_references(module: ModuleType) -> None:
                 ref = f"{mod_name}.{global_name}"
                 _state.stale.append(ref)
                 report(
-                    f"diffusers_cudnn_fix: {ref} holds the shipped {target} and could not be rebound; "
-                    "calls through it still use the buggy op.",
+                    explain(
+                        f"{ref} holds the shipped {target} and could not be rebound.",
+                        "Calls through it still use the buggy op.",
+                        f"Import diffusers_cudnn_fix before diffusers, or call {target} through diffusers' module.",
+                        "api.md#what-importing-it-does",
+                    ),
                     StaleReferenceWarning,
                 )
             else:
@@ -359,7 +369,8 @@ def _announce(module: ModuleType) -> None:
         mismatch = _MISMATCHES.get((states[fix.id], release_table_lists(fix.affected, version)))
         if mismatch is not None and fix.id not in _state.mismatches_reported:
             _state.mismatches_reported.add(fix.id)
-            message = f"diffusers_cudnn_fix: the release table says diffusers {version} {mismatch.format(fix.id)}."
+            cause = f"the release table says diffusers {version} {mismatch.format(fix.id)}."
+            message = explain(cause, _ACTS, "Please report your diffusers version.", f"fixes.md#{fix.id}")
             report(message, ReleaseTableMismatchWarning)
     said = advice(states, [fix.id for fix in _fixes() if _applied(module, fix)])
     if said["applied"]:
