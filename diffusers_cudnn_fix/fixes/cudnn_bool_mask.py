@@ -73,7 +73,7 @@ def mask_policy(
     mode, var = forced or _switches.mask_mode(), _switches.MASK_VAR
     if mode == "error":
         raise UnsafeAttentionError(explain(
-            _reached(attn_mask, dtype), f"Outputs and gradients would be wrong, so it is refused ({var}=error).",
+            _reached(attn_mask, dtype), "Refused in error mode: outputs and gradients would be wrong.",
             f"Set {var}=convert to convert it, or pass an additive mask of {dtype}.", SECTION))  # fmt: skip
     if mode == "convert":
         if forced is None and MaskConvertedWarning not in _warned:
