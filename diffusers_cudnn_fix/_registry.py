@@ -40,14 +40,12 @@ _UNFIXED: dict[str, tuple[ReasonCode, str]] = {
 }
 
 #: What apply() warns of, by reason code (skipped: where the fix is found broken).
-_WARNINGS = {  # cause, consequence, way out
-    "skipped": (f"'{{id}}' ({{title}}) is broken in the installed diffusers and {_switches.SKIP_VAR} names it.",
-                "It is left unfixed: training that meets it may give wrong outputs or gradients.",
+_UNFIXED_MEANS = "Training that meets it under context parallelism may give wrong gradients."
+_WARNINGS = {  # cause and way out; the consequence is _UNFIXED_MEANS
+    "skipped": (f"'{{id}}' ({{title}}) is broken here, left unfixed because {_switches.SKIP_VAR} names it.",
                 f"Remove it from {_switches.SKIP_VAR} to have it fixed."),
-    "failed": ("'{id}' NOT applied: {reason}.", "The bug stays: training that meets it may give wrong gradients.",
-               "Please report your diffusers and torch versions; avoid the backend or release it affects."),
-    "unknown": ("'{id}' ({title}) {reason}.", "Training with this backend under context parallelism may give "
-                "wrong gradients.", "Please report your diffusers version."),
+    "failed": ("'{id}' NOT applied: {reason}.", "Please report your diffusers and torch versions."),
+    "unknown": ("'{id}' ({title}) {reason}.", "Please report your diffusers version."),
 }  # fmt: skip
 
 #: What the release table says against the check, by (state found, release listed as carrying the bug).
@@ -56,7 +54,7 @@ _MISMATCHES: dict[tuple[str, bool | None], str] = {
     ("ok", True): "carries '{}', but the installed code does not",
     ("broken", False): "does not carry '{}', but the installed code does",
 }
-_ACTS = "The package acts on what its check finds in the code."
+_ON_MISMATCH = ("The package acts on what its check finds in the code.", "Please report your diffusers version.")
 
 
 @dataclass(frozen=True)
@@ -267,10 +265,8 @@ def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> None:
         _state.records[fix.id] = _Record(finding, reason, code)
         if code in _WARNINGS and (code != "skipped" or finding.state == "broken"):
             one_line = " ".join(reason.split())
-            cause, consequence, way_out = (
-                part.format(id=fix.id, title=fix.title, reason=one_line) for part in _WARNINGS[code]
-            )
-            report(explain(cause, consequence, way_out, f"fixes.md#{fix.id}"), FixNotAppliedWarning)
+            cause, way_out = (p.format(id=fix.id, title=fix.title, reason=one_line) for p in _WARNINGS[code])
+            report(explain(cause, _UNFIXED_MEANS, way_out, f"fixes.md#{fix.id}"), FixNotAppliedWarning)
     _state.seen = {t: raw_get(module, t) for fix in fixes for t in fix.targets}
 
 
@@ -327,15 +323,9 @@ def _rebind_references(module: ModuleType) -> None:
             except Exception:  # noqa: BLE001 - a read-only namespace: say so instead
                 ref = f"{mod_name}.{global_name}"
                 _state.stale.append(ref)
-                report(
-                    explain(
-                        f"{ref} holds the shipped {target} and could not be rebound.",
-                        "Calls through it still use the buggy op.",
-                        f"Import diffusers_cudnn_fix before diffusers, or call {target} through diffusers' module.",
-                        "api.md#what-importing-it-does",
-                    ),
-                    StaleReferenceWarning,
-                )
+                report(explain(f"{ref} holds the shipped {target} and could not be rebound.", "Calls through it "
+                               "still use the buggy op.", "Import diffusers_cudnn_fix before diffusers.",
+                               "api.md#what-importing-it-does"), StaleReferenceWarning)  # fmt: skip
             else:
                 _state.rebound.append((mod_name, global_name, value, ours))
                 logger.info("rebound %s.%s to the corrected %s", mod_name, global_name, target)
@@ -370,8 +360,7 @@ def _announce(module: ModuleType) -> None:
         if mismatch is not None and fix.id not in _state.mismatches_reported:
             _state.mismatches_reported.add(fix.id)
             cause = f"the release table says diffusers {version} {mismatch.format(fix.id)}."
-            message = explain(cause, _ACTS, "Please report your diffusers version.", f"fixes.md#{fix.id}")
-            report(message, ReleaseTableMismatchWarning)
+            report(explain(cause, *_ON_MISMATCH, f"fixes.md#{fix.id}"), ReleaseTableMismatchWarning)
     said = advice(states, [fix.id for fix in _fixes() if _applied(module, fix)])
     if said["applied"]:
         logger.info("diffusers_cudnn_fix: diffusers %s: applied %s", version, ", ".join(said["applied"]))

@@ -54,9 +54,8 @@ def mask_policy(
     if attn_mask is None:
         return None
     if attn_mask.requires_grad:
-        raise UnsafeAttentionError(explain(
-            "the attention mask requires grad, but diffusers' context-parallel cuDNN op gives it no gradient.",
-            "Its .grad would silently stay None, so the call is refused.",
+        raise UnsafeAttentionError(explain("the attention mask requires grad, but diffusers' context-parallel cuDNN op"
+            " gives it no gradient.", "Its .grad would silently stay None, so the call is refused.",
             "Pass attn_mask.detach(), or train the mask with another backend.", SECTION))  # fmt: skip
     # The dtype the op computes in: autocast's where it is on for q's device, else q's own.
     dtype = query.dtype
@@ -65,9 +64,8 @@ def mask_policy(
     if attn_mask.dtype == dtype:
         return attn_mask
     if not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
-        raise UnsafeAttentionError(explain(
-            f"{_reached(attn_mask)}: 0/1 keep flags or an additive bias? F.scaled_dot_product_attention refuses it.",
-            "The kernel would add it as a bias, so the call is refused.",
+        raise UnsafeAttentionError(explain(f"{_reached(attn_mask)}: 0/1 keep flags or an additive bias? F.sdpa refuses"
+            " it too.", "The kernel would add it as a bias, so the call is refused.",
             "Pass a bool mask (True = attend) or an additive mask of q's dtype.", SECTION))  # fmt: skip
     forced = getattr(_forced, "mode", None)  # the check's own runs: no notice for the user
     mode, var = forced or _switches.mask_mode(), _switches.MASK_VAR

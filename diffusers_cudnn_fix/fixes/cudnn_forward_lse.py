@@ -72,13 +72,10 @@ def _has_kernel(device: torch.device) -> bool:
 
 def no_kernel_message(device: torch.device) -> str:
     """What a user whose tensors are not on a GPU reads: the backend's need, and the backend that runs there."""
-    return explain(
-        f"diffusers' _native_cudnn attention backend needs CUDA tensors: q/k/v are on {device}, where torch has no "
-        f"kernel for {OP}.",
-        "The call cannot run (torch's error is below); this is not diffusers_cudnn_fix's doing.",
-        f'On {device.type} use diffusers\' "native" attention backend, which supports context parallelism too.',
-        "behaviour.md#tensors-off-the-gpu",
-    )
+    return explain(f"diffusers' _native_cudnn attention backend needs CUDA tensors: q/k/v are on {device}, where torch "
+                   f"has no kernel for {OP}.", "The call cannot run (torch's error is below); this is not "
+                   "diffusers_cudnn_fix's doing.", f'On {device.type} use diffusers\' "native" attention backend, '
+                   "which supports context parallelism too.", "behaviour.md#tensors-off-the-gpu")  # fmt: skip
 
 
 def check(lookup: Lookup) -> Finding:

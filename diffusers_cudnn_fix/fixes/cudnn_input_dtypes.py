@@ -24,12 +24,10 @@ def refuse_unsupported_dtypes(
 ) -> torch.Tensor | None:
     """Raises for the dtypes the cuDNN kernel silently gets wrong; passes the mask on untouched."""
     if query.dtype not in _SUPPORTED or not query.dtype == key.dtype == value.dtype:
-        raise UnsafeAttentionError(explain(
-            f"q/k/v of dtypes {query.dtype}/{key.dtype}/{value.dtype} reached diffusers' context-parallel cuDNN "
-            "attention op, which needs q, k and v of one dtype, float16 or bfloat16.",
-            "It returns garbage for anything else, so the call is refused.",
-            "Run the model in bfloat16 or float16 (or under torch.autocast to one), or use another backend.",
-            "fixes.md#cudnn_input_dtypes"))  # fmt: skip
+        raise UnsafeAttentionError(explain(f"q/k/v of dtypes {query.dtype}/{key.dtype}/{value.dtype} reached diffusers'"
+            " context-parallel cuDNN attention op, which needs q, k and v of one dtype, float16 or bfloat16.", "It"
+            " returns garbage for anything else, so the call is refused.", "Run the model in bfloat16 or float16 (or"
+            " under torch.autocast to one), or use another backend.", "fixes.md#cudnn_input_dtypes"))  # fmt: skip
     return attn_mask
 
 

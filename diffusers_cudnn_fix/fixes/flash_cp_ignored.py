@@ -23,12 +23,9 @@ from . import FLASH_BACKEND
 #: The global of diffusers' attention module that is the templated context-parallel path.
 TEMPLATED = "_templated_context_parallel_attention"
 
-MESSAGE = explain(
-    "this diffusers' _native_flash attention ignores context parallelism.",
-    "Each rank would attend to its own shard only, silently, so the call is refused.",
-    "Set the _native_cudnn backend (corrected by this package), or upgrade diffusers to >= 0.37.0.",
-    "fixes.md#flash_cp_ignored",
-)
+MESSAGE = explain("this diffusers' _native_flash attention ignores context parallelism.", "Each rank would attend to "
+                  "its own shard only, silently, so the call is refused.", "Set the _native_cudnn backend (corrected "
+                  "by this package), or upgrade diffusers to >= 0.37.0.", "fixes.md#flash_cp_ignored")  # fmt: skip
 
 
 def spreads(parallel_config: Any) -> bool:

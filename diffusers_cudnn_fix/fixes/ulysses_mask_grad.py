@@ -25,13 +25,10 @@ TEMPLATED = "_templated_context_parallel_attention"
 #: The mask's position among the forward's inputs (q, k, v, mask, ...), and so among the backward's gradients.
 MASK_INPUT = 3
 
-MESSAGE = explain(
-    "the attention mask requires grad, but diffusers' Ulysses context-parallel attention computes no mask gradient.",
-    "Its .grad would silently stay None, so the call is refused (under torch.no_grad() too).",
-    "A mask that requires grad gets no gradient here: pass attn_mask.detach(), or train it without context "
-    "parallelism.",
-    "fixes.md#ulysses_mask_grad",
-)
+MESSAGE = explain("the attention mask requires grad, but diffusers' Ulysses context-parallel attention gives it none.",
+                  "Its .grad would silently stay None, so the call is refused (under torch.no_grad() too).",
+                  "A mask that requires grad gets no gradient here: pass attn_mask.detach(), or train it without "
+                  "context parallelism.", "fixes.md#ulysses_mask_grad")  # fmt: skip
 
 
 def refuse_mask_grad(attn_mask: torch.Tensor) -> None:
