@@ -14,7 +14,7 @@ import threading
 from types import ModuleType
 
 from . import _switches
-from ._warnings import FixNotAppliedWarning, report
+from ._warnings import FixNotAppliedWarning, explain, report
 
 _lock = threading.Lock()
 _active = False  # revert() before diffusers' import disarms the hook; apply() re-arms it
@@ -40,11 +40,9 @@ def arm() -> None:
 
         wrapt.register_post_import_hook(on_import, _switches.MODULE_NAME)
     except Exception as exc:  # noqa: BLE001 - the host's import must survive anything
-        report(
-            f"diffusers_cudnn_fix: could not register the import hook ({type(exc).__name__}: {exc}); "
-            "call diffusers_cudnn_fix.apply() after importing diffusers.",
-            FixNotAppliedWarning,
-        )
+        report(explain(f"could not register the import hook ({type(exc).__name__}: {exc}).", "Importing diffusers "
+                       "will not check or fix it.", "Call diffusers_cudnn_fix.apply() after importing diffusers.",
+                       "api.md#what-importing-it-does"), FixNotAppliedWarning)  # fmt: skip
 
 
 def disarm() -> None:
@@ -79,8 +77,7 @@ def on_import(module: ModuleType) -> None:
             revert()
         except Exception:  # noqa: BLE001, S110 - already reporting the first failure
             pass
-        report(
-            f"diffusers_cudnn_fix: internal error while checking diffusers ({type(exc).__name__}: {exc}); "
-            "diffusers is left as shipped, so context-parallel cuDNN training may give wrong gradients.",
-            FixNotAppliedWarning,
-        )
+        report(explain(f"internal error while checking diffusers ({type(exc).__name__}: {exc}).", "diffusers is left "
+                       "as shipped, so context-parallel cuDNN training may give wrong gradients.", "Please report it, "
+                       "with your diffusers and torch versions.", "api.md#what-importing-it-does"),
+               FixNotAppliedWarning)  # fmt: skip

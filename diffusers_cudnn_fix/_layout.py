@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from . import _devices
-from ._warnings import UnsafeAttentionError
+from ._warnings import UnsafeAttentionError, explain
 
 #: cuDNN reads its operands in 16-byte vectors: a tensor whose data or whose strides are not on 16 bytes is
 #: read wrong, silently (docs/kernel-facts.md). A fresh allocation always is.
@@ -43,12 +43,11 @@ def entering(query: torch.Tensor) -> None:
         if query.is_cuda:
             _devices.on_cuda_call(query)
     elif query.shape[1] == 1 or query.shape[2] == 1:
-        raise UnsafeAttentionError(
-            f"diffusers_cudnn_fix: inside a torch.compile graph, context-parallel cuDNN / flash attention with q of "
-            f"shape {tuple(query.shape)} (B, S, H, D: one head or one query position per rank) gave wrong gradients "
-            "on an H200 (eager: right), so this call must run eagerly: dynamo does so without fullgraph=True; with "
-            "it, wrap the attention in torch.compiler.disable or pick context-parallel degrees leaving 2+ heads a rank."
-        )
+        raise UnsafeAttentionError(explain(f"inside a torch.compile graph, context-parallel cuDNN / flash attention got"
+            f" q of shape {tuple(query.shape)} (B, S, H, D: one head or one query position per rank).", "Compiled, such"
+            " calls gave wrong gradients on an H200 (eager: right), so this one must run eagerly (dynamo does so"
+            " without fullgraph=True).", "With fullgraph=True, wrap the attention in torch.compiler.disable, or pick"
+            " context-parallel degrees leaving 2+ heads a rank.", "behaviour.md#under-torchcompile"))  # fmt: skip
 
 
 def realigned_all(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -131,8 +130,7 @@ def reject_per_step_tensors(kwargs: dict[str, Any], fix_id: str) -> None:
     """
     for name in ("query", "key", "value", "out", "lse"):
         if kwargs.get(name) is not None:
-            raise NotImplementedError(
-                f"diffusers_cudnn_fix: this diffusers build passes per-step tensors ({name}=...) to a backward "
-                "op that the package replaced for releases <= 0.39. Upgrade diffusers to >= 0.40, or set "
-                f"DIFFUSERS_CUDNN_FIX_SKIP={fix_id} and report your diffusers version."
-            )
+            raise NotImplementedError(explain(f"this diffusers build passes per-step tensors ({name}=...) to a backward"
+                " op the package replaced for releases <= 0.39.", "This pairing is unverified, so the call is refused.",
+                f"Upgrade diffusers to >= 0.40, or set DIFFUSERS_CUDNN_FIX_SKIP={fix_id} and report your version.",
+                f"fixes.md#{fix_id}"))  # fmt: skip

@@ -39,7 +39,7 @@ import torch.backends.cudnn
 
 from . import _detect, _devices, _registry, _switches
 from ._devices import CaseResult, ProbeResult
-from ._warnings import ProbeFailedWarning, UnsafeAttentionError, logger, report
+from ._warnings import ProbeFailedWarning, UnsafeAttentionError, explain, logger, report
 from .fixes import CUDNN_BACKWARD, CUDNN_FORWARD, FLASH_BACKWARD, FLASH_FORWARD
 
 #: (name, B, S_q, S_kv, H, D)
@@ -89,14 +89,15 @@ def maybe_probe(device: torch.device) -> None:
             _lock.release()
         _announce(found)
     if found.state == "failed" and _switches.probe_mode() == "strict":
-        raise UnsafeAttentionError(_failure_message(found) + f"\n(raised because {_switches.PROBE_VAR}=strict)")
+        raise UnsafeAttentionError(_failure_message(found, f"; raised at every call ({_switches.PROBE_VAR}=strict)"))
 
 
-def _failure_message(result: ProbeResult) -> str:
-    return (
-        f"diffusers_cudnn_fix: the GPU probe on {result.device} found wrong results from the attention ops "
-        f"diffusers will call ({result.reason}):\n{table(result)}"
-    )
+def _failure_message(result: ProbeResult, strict: str = f"; {_switches.PROBE_VAR}=strict stops training") -> str:
+    """The three lines, then the error table."""
+    cause = f"the GPU probe on {result.device} found wrong results from the attention ops diffusers will call."
+    consequence = f"Training there may give wrong outputs or gradients ({result.reason}{strict})."
+    way_out = "Use another attention backend on this device, or another torch / cuDNN; the errors are below."
+    return f"{explain(cause, consequence, way_out, 'doctor.md#the-gpu-probe')}\n{table(result)}"
 
 
 def _announce(result: ProbeResult) -> None:

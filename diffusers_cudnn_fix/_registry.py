@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _switches
 from ._fix import Finding, Fix, release_table_lists
-from ._warnings import FixNotAppliedWarning, ReleaseTableMismatchWarning, StaleReferenceWarning, logger, report
+from ._warnings import FixNotAppliedWarning, ReleaseTableMismatchWarning, StaleReferenceWarning, explain, logger, report
 from .fixes import ALL_FIXES
 
 if TYPE_CHECKING:
@@ -40,20 +40,21 @@ _UNFIXED: dict[str, tuple[ReasonCode, str]] = {
 }
 
 #: What apply() warns of, by reason code (skipped: where the fix is found broken).
-_WARNINGS = {
-    "skipped": "'{id}' ({title}) is broken in the installed diffusers and left unfixed because "
-    f"{_switches.SKIP_VAR} names it",
-    "failed": "'{id}' NOT applied: {reason}",
-    "unknown": "'{id}' ({title}) {reason}. Training with this backend under context parallelism may give wrong "
-    "gradients; please report your diffusers version",
-}
+_UNFIXED_MEANS = "Training that meets it under context parallelism may give wrong gradients."
+_WARNINGS = {  # cause and way out; the consequence is _UNFIXED_MEANS
+    "skipped": (f"'{{id}}' ({{title}}) is broken here, left unfixed because {_switches.SKIP_VAR} names it.",
+                f"Remove it from {_switches.SKIP_VAR} to have it fixed."),
+    "failed": ("'{id}' NOT applied: {reason}.", "Please report your diffusers and torch versions."),
+    "unknown": ("'{id}' ({title}) {reason}.", "Please report your diffusers version."),
+}  # fmt: skip
 
 #: What the release table says against the check, by (state found, release listed as carrying the bug).
 _MISMATCHES: dict[tuple[str, bool | None], str] = {
     ("absent", True): "carries '{}', but the functions it patches are not there (renamed?): nothing to fix",
-    ("ok", True): "carries '{}', but the installed code does not; acting on the code",
-    ("broken", False): "does not carry '{}', but the installed code does; acting on the code",
+    ("ok", True): "carries '{}', but the installed code does not",
+    ("broken", False): "does not carry '{}', but the installed code does",
 }
+_ON_MISMATCH = ("The package acts on what its check finds in the code.", "Please report your diffusers version.")
 
 
 @dataclass(frozen=True)
@@ -263,8 +264,9 @@ def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> None:
             reason = f"{words}: {finding.detail}"
         _state.records[fix.id] = _Record(finding, reason, code)
         if code in _WARNINGS and (code != "skipped" or finding.state == "broken"):
-            warning = _WARNINGS[code].format(id=fix.id, title=fix.title, reason=reason)
-            report(f"diffusers_cudnn_fix: {warning}.", FixNotAppliedWarning)
+            one_line = " ".join(reason.split())
+            cause, way_out = (p.format(id=fix.id, title=fix.title, reason=one_line) for p in _WARNINGS[code])
+            report(explain(cause, _UNFIXED_MEANS, way_out, f"fixes.md#{fix.id}"), FixNotAppliedWarning)
     _state.seen = {t: raw_get(module, t) for fix in fixes for t in fix.targets}
 
 
@@ -321,11 +323,9 @@ def _rebind_references(module: ModuleType) -> None:
             except Exception:  # noqa: BLE001 - a read-only namespace: say so instead
                 ref = f"{mod_name}.{global_name}"
                 _state.stale.append(ref)
-                report(
-                    f"diffusers_cudnn_fix: {ref} holds the shipped {target} and could not be rebound; "
-                    "calls through it still use the buggy op.",
-                    StaleReferenceWarning,
-                )
+                report(explain(f"{ref} holds the shipped {target} and could not be rebound.", "Calls through it "
+                               "still use the buggy op.", "Import diffusers_cudnn_fix before diffusers.",
+                               "api.md#what-importing-it-does"), StaleReferenceWarning)  # fmt: skip
             else:
                 _state.rebound.append((mod_name, global_name, value, ours))
                 logger.info("rebound %s.%s to the corrected %s", mod_name, global_name, target)
@@ -359,8 +359,8 @@ def _announce(module: ModuleType) -> None:
         mismatch = _MISMATCHES.get((states[fix.id], release_table_lists(fix.affected, version)))
         if mismatch is not None and fix.id not in _state.mismatches_reported:
             _state.mismatches_reported.add(fix.id)
-            message = f"diffusers_cudnn_fix: the release table says diffusers {version} {mismatch.format(fix.id)}."
-            report(message, ReleaseTableMismatchWarning)
+            cause = f"the release table says diffusers {version} {mismatch.format(fix.id)}."
+            report(explain(cause, *_ON_MISMATCH, f"fixes.md#{fix.id}"), ReleaseTableMismatchWarning)
     said = advice(states, [fix.id for fix in _fixes() if _applied(module, fix)])
     if said["applied"]:
         logger.info("diffusers_cudnn_fix: diffusers %s: applied %s", version, ", ".join(said["applied"]))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from ._warnings import SwitchValueWarning, report
+from ._warnings import SwitchValueWarning, explain, report
 
 #: The diffusers module every fix patches.
 MODULE_NAME = "diffusers.models.attention_dispatch"
@@ -38,14 +38,17 @@ SWITCHES: dict[str, tuple[Mapping[str, str], str, str]] = {
     PROBE_VAR: ({m: m for m in ("warn", "strict", "off")}, "strict", "what a failed GPU probe does"),
 }
 
+SECTION = "behaviour.md#switches"  # where the switches are documented
+
 _overrides: dict[str, str] = {}  # variable -> value chosen through the API in this process
 _reported: set[tuple[str, str]] = set()
 
 
-def _bad_value(var: str, raw: str, problem: str) -> None:
+def _bad_value(var: str, raw: str, known: str, instead: str) -> None:
     if (var, raw) not in _reported:
         _reported.add((var, raw))
-        report(f"diffusers_cudnn_fix: {var}={raw!r}: {problem}.", SwitchValueWarning)
+        way_out = f"Set {var} to known values only ({known}), or unset it."
+        report(explain(f"{var}={raw!r} is not understood.", instead, way_out, SECTION), SwitchValueWarning)
 
 
 def _choice(var: str, *, quiet: bool = False) -> str:
@@ -55,7 +58,7 @@ def _choice(var: str, *, quiet: bool = False) -> str:
     raw = os.environ.get(var, "")
     spelling = raw.strip().lower()
     if spelling and spelling not in spellings and not quiet:
-        _bad_value(var, raw, f"not one of {', '.join(spellings)}; using {fallback!r}")
+        _bad_value(var, raw, ", ".join(spellings), f"Using {fallback!r} instead.")
     return spellings.get(spelling, fallback) if spelling else next(iter(spellings.values()))
 
 
@@ -114,6 +117,5 @@ def skipped_fixes(known: Mapping[str, str]) -> frozenset[str]:
     names = [part.strip() for part in raw.split(",") if part.strip()]
     unknown = [name for name in names if name.lower() not in known]
     if unknown:
-        ids = ", ".join(sorted(set(known.values())))
-        _bad_value(SKIP_VAR, raw, f"{', '.join(unknown)} is no fix id (known: {ids}); ignoring it")
+        _bad_value(SKIP_VAR, raw, ", ".join(sorted(set(known.values()))), f"Ignoring {', '.join(unknown)}: no fix id.")
     return frozenset(known[name.lower()] for name in names if name.lower() in known)

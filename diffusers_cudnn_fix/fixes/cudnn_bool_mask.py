@@ -18,10 +18,11 @@ import torch
 from .. import _detect, _switches, _warnings
 from .._fix import Finding, Lookup, shipped_of
 from .._key_padding import remembered
-from .._warnings import MaskConvertedWarning, MaskMisreadWarning, UnsafeAttentionError
+from .._warnings import MaskConvertedWarning, MaskMisreadWarning, UnsafeAttentionError, explain
 from . import CUDNN_BACKWARD, CUDNN_FORWARD, ULYSSES_ANYTHING_FORWARD, ULYSSES_FORWARD
 
 ISSUE = "huggingface/diffusers#14342"
+SECTION = "fixes.md#cudnn_bool_mask"
 
 
 _forced = threading.local()  # .mode: set by the check on its own thread only
@@ -53,10 +54,9 @@ def mask_policy(
     if attn_mask is None:
         return None
     if attn_mask.requires_grad:
-        raise UnsafeAttentionError(
-            "diffusers_cudnn_fix: the attention mask requires grad, but diffusers' context-parallel cuDNN path "
-            "gives it no gradient (it would silently stay None). Detach it, or train it with another backend."
-        )
+        raise UnsafeAttentionError(explain("the attention mask requires grad, but diffusers' context-parallel cuDNN op"
+            " gives it no gradient.", "Its .grad would silently stay None, so the call is refused.",
+            "Pass attn_mask.detach(), or train the mask with another backend.", SECTION))  # fmt: skip
     # The dtype the op computes in: autocast's where it is on for q's device, else q's own.
     dtype = query.dtype
     if torch.is_autocast_enabled(query.device.type) and query.is_floating_point():
@@ -64,40 +64,32 @@ def mask_policy(
     if attn_mask.dtype == dtype:
         return attn_mask
     if not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
-        raise UnsafeAttentionError(
-            f"{_reached(attn_mask)}. An integer mask is ambiguous (0/1 keep flags or an additive bias?) and "
-            "F.scaled_dot_product_attention refuses it too. Pass a bool mask (True = attend) or an additive mask of "
-            "q's dtype."
-        )
+        raise UnsafeAttentionError(explain(f"{_reached(attn_mask)}: 0/1 keep flags or an additive bias? F.sdpa refuses"
+            " it too.", "The kernel would add it as a bias, so the call is refused.",
+            "Pass a bool mask (True = attend) or an additive mask of q's dtype.", SECTION))  # fmt: skip
     forced = getattr(_forced, "mode", None)  # the check's own runs: no notice for the user
-    mode = forced or _switches.mask_mode()
+    mode, var = forced or _switches.mask_mode(), _switches.MASK_VAR
     if mode == "error":
-        raise UnsafeAttentionError(
-            f"{_reached(attn_mask, dtype)}. Set {_switches.MASK_VAR}=convert to convert it, or pass an additive "
-            "mask of q's dtype."
-        )
+        raise UnsafeAttentionError(explain(
+            _reached(attn_mask, dtype), "Refused in error mode: outputs and gradients would be wrong.",
+            f"Set {var}=convert to convert it, or pass an additive mask of {dtype}.", SECTION))  # fmt: skip
     if mode == "convert":
         if forced is None and MaskConvertedWarning not in _warned:
-            _warn_once(
-                MaskConvertedWarning,
-                f"{_reached(attn_mask, dtype)}; it was converted to an additive {dtype} mask. {_switches.MASK_VAR}="
-                "warn passes masks through as diffusers does, =error refuses them (shown once per process).",
-            )
+            _warn_once(MaskConvertedWarning, explain(
+                _reached(attn_mask, dtype), f"It was converted to an additive {dtype} mask (said once per process).",
+                f"{var}=warn passes masks through as diffusers does, {var}=error refuses them.", SECTION))  # fmt: skip
         return remembered(additive_mask, attn_mask, dtype)
     if MaskMisreadWarning not in _warned:
-        _warn_once(
-            MaskMisreadWarning,
-            f"{_reached(attn_mask, dtype)}; it was passed through ({_switches.MASK_VAR}=warn), a bool mask read out "
-            f"of bounds, so outputs and gradients are wrong. Unset {_switches.MASK_VAR} (or set it to convert) to "
-            "convert masks.",
-        )
+        _warn_once(MaskMisreadWarning, explain(
+            _reached(attn_mask, dtype), f"It was passed through ({var}=warn): outputs and gradients are wrong.",
+            f"Unset {var} (or set it to convert) to convert masks (said once per process).", SECTION))  # fmt: skip
     return attn_mask
 
 
 def _reached(mask: torch.Tensor, dtype: torch.dtype | None = None) -> str:
-    """The start of every message about ``mask``: what reached the op, and (``dtype``) how the kernel reads it."""
-    reached = f"diffusers_cudnn_fix: a {mask.dtype} attention mask reached diffusers' context-parallel cuDNN op"
-    return reached if dtype is None else f"{reached}, which misreads such a mask as a {dtype} additive bias ({ISSUE})"
+    """What reached the op, and (``dtype``) how the kernel reads it: the cause in every message about ``mask``."""
+    reached = f"a {mask.dtype} attention mask reached diffusers' context-parallel cuDNN op"
+    return reached if dtype is None else f"{reached}, which misreads it as a {dtype} additive bias ({ISSUE})."
 
 
 def _bias(trace: _detect.Trace, op: str) -> Any:

@@ -15,6 +15,7 @@ import torch
 from .. import _detect
 from .._fix import Finding, Lookup
 from .._layout import backward_may_follow, kernel_layout
+from .._warnings import explain
 from . import CUDNN_FORWARD
 
 
@@ -71,12 +72,10 @@ def _has_kernel(device: torch.device) -> bool:
 
 def no_kernel_message(device: torch.device) -> str:
     """What a user whose tensors are not on a GPU reads: the backend's need, and the backend that runs there."""
-    return (
-        f"diffusers' _native_cudnn attention backend needs CUDA tensors: q/k/v are on {device}, where torch has no "
-        f"kernel for {OP} (torch's error is below). This is not diffusers_cudnn_fix's doing: on a {device.type} "
-        'device use diffusers\' "native" attention backend (F.scaled_dot_product_attention), which also supports '
-        "context parallelism; use _native_cudnn on a CUDA GPU."
-    )
+    return explain(f"diffusers' _native_cudnn attention backend needs CUDA tensors: q/k/v are on {device}, where torch "
+                   f"has no kernel for {OP}.", "The call cannot run (torch's error is below); this is not "
+                   "diffusers_cudnn_fix's doing.", f'On {device.type} use diffusers\' "native" attention backend, '
+                   "which supports context parallelism too.", "behaviour.md#tensors-off-the-gpu")  # fmt: skip
 
 
 def check(lookup: Lookup) -> Finding:

@@ -13,7 +13,7 @@ import torch
 
 from .. import _detect
 from .._fix import Finding, Lookup
-from .._warnings import UnsafeAttentionError
+from .._warnings import UnsafeAttentionError, explain
 from . import CUDNN_FORWARD
 
 _SUPPORTED = (torch.float16, torch.bfloat16)
@@ -24,13 +24,10 @@ def refuse_unsupported_dtypes(
 ) -> torch.Tensor | None:
     """Raises for the dtypes the cuDNN kernel silently gets wrong; passes the mask on untouched."""
     if query.dtype not in _SUPPORTED or not query.dtype == key.dtype == value.dtype:
-        raise UnsafeAttentionError(
-            f"diffusers_cudnn_fix: q/k/v of dtypes {query.dtype}/{key.dtype}/{value.dtype} reached diffusers' "
-            "context-parallel cuDNN attention op, which needs q, k and v of one dtype, float16 or bfloat16, and "
-            "returns garbage for anything else. Run the model in one of those dtypes (.to(torch.bfloat16), or "
-            "under torch.autocast with a float16 or bfloat16 dtype, where the package casts q/k/v as "
-            "F.scaled_dot_product_attention does) or choose another attention backend."
-        )
+        raise UnsafeAttentionError(explain(f"q/k/v of dtypes {query.dtype}/{key.dtype}/{value.dtype} reached diffusers'"
+            " context-parallel cuDNN attention op, which needs q, k and v of one dtype, float16 or bfloat16.", "It"
+            " returns garbage for anything else, so the call is refused.", "Run the model in bfloat16 or float16 (or"
+            " under torch.autocast to one), or use another backend.", "fixes.md#cudnn_input_dtypes"))  # fmt: skip
     return attn_mask
 
 

@@ -17,17 +17,15 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _detect
 from .._fix import Finding, Lookup, shipped_of
-from .._warnings import UnsafeAttentionError
+from .._warnings import UnsafeAttentionError, explain
 from . import FLASH_BACKEND
 
 #: The global of diffusers' attention module that is the templated context-parallel path.
 TEMPLATED = "_templated_context_parallel_attention"
 
-MESSAGE = (
-    "diffusers_cudnn_fix: this diffusers' _native_flash attention ignores context parallelism: each rank would "
-    "attend to its own shard only, silently. Set the _native_cudnn backend (corrected by this package) before "
-    "training, or upgrade diffusers to >= 0.37.0, whose _native_flash runs context-parallel attention."
-)
+MESSAGE = explain("this diffusers' _native_flash attention ignores context parallelism.", "Each rank would attend to "
+                  "its own shard only, silently, so the call is refused.", "Set the _native_cudnn backend (corrected "
+                  "by this package), or upgrade diffusers to >= 0.37.0.", "fixes.md#flash_cp_ignored")  # fmt: skip
 
 
 def spreads(parallel_config: Any) -> bool:

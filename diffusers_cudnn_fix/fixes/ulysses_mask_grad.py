@@ -16,7 +16,7 @@ import torch
 
 from .. import _detect
 from .._fix import Finding, Lookup, shipped_of
-from .._warnings import UnsafeAttentionError
+from .._warnings import UnsafeAttentionError, explain
 from . import ULYSSES_BACKWARD, ULYSSES_FORWARD
 
 #: diffusers' context-parallel entry, which calls the Ulysses class (and every other templated class).
@@ -25,11 +25,10 @@ TEMPLATED = "_templated_context_parallel_attention"
 #: The mask's position among the forward's inputs (q, k, v, mask, ...), and so among the backward's gradients.
 MASK_INPUT = 3
 
-MESSAGE = (
-    "diffusers_cudnn_fix: the attention mask requires grad, but diffusers' Ulysses context-parallel attention "
-    "gives it no gradient (its .grad would silently stay None). Pass attn_mask.detach() if it needs none, or "
-    "train the mask without context parallelism."
-)
+MESSAGE = explain("the attention mask requires grad, but diffusers' Ulysses context-parallel attention gives it none.",
+                  "Its .grad would silently stay None, so the call is refused (under torch.no_grad() too).",
+                  "A mask that requires grad gets no gradient here: pass attn_mask.detach(), or train it without "
+                  "context parallelism.", "fixes.md#ulysses_mask_grad")  # fmt: skip
 
 
 def refuse_mask_grad(attn_mask: torch.Tensor) -> None:
