@@ -267,13 +267,27 @@ def test_hook_failures(dispatch_module, monkeypatch, said) -> None:
         assert_explained(message, section="api.md#what-importing-it-does")
 
 
+def test_ring_messages() -> None:
+    """The ring's refusals: an op it cannot drive (0.36 - 0.39's bug, and 0.40 on's from ring degree 3), inputs
+    the corrected backward cannot take, a forward that ran before the ring was corrected. The first two are built
+    here; the last is raised by the backward on a context the corrected forward never saw."""
+    from diffusers_cudnn_fix.fixes import ring_grad_route
+    from diffusers_cudnn_fix.targets import ring
+
+    for first_step in (True, False):
+        message = ring_grad_route.unsupported_backend_message(print, 3, first_step=first_step)
+        assert_explained(message, section="fixes.md#ring_grad_route")
+    refused = ring.RingRecord(out=None, lse=None, refusal="an attention mask")  # type: ignore[arg-type]
+    ctx = types.SimpleNamespace(**{ring.RECORD: refused})
+    assert_explained(raised(lambda: ring._recorded(ctx)), section="fixes.md#ring_grad_route")
+    assert_explained(raised(lambda: ring._recorded(types.SimpleNamespace())), section="fixes.md#ring_grad_route")
+
+
 # --- no site formats its own message ------------------------------------------------------------------------
 
 #: Sites not converted here, with why: their owners convert them (or they are no problem message).
 KNOWN_EXCEPTIONS = {
     "fixes/qwen_joint_mask_order.py": "its owner converts it (QwenImage's joint-mask messages)",
-    "fixes/ring_grad_route.py": "its owner converts it, with targets/ring.py",
-    "targets/ring.py": "its owner converts the ring refusals",
     "_verify.py": "the verify report, not a problem message",
     "__main__.py": "the doctor's output, a report, not a problem message",
 }
