@@ -4,7 +4,9 @@ wrapt fires the hook right after the module is first imported, or at once if it 
 import order of diffusers and this package does not matter. The hook checks and patches on the importing
 thread and does no GPU work; it also imports the GPU probe and points the corrected ops at it, so that
 nothing they call later (on autograd's threads too) has a module left to import. Nothing raised in here
-reaches the host's import: a failure becomes a warning, and diffusers is left as shipped.
+reaches the host's import: a failure becomes a warning, and diffusers is left as shipped. A target in another
+module (``module:Class.attr``, :mod:`._target_names`) is installed by a hook on that module, which checks and
+patches again once it is imported (diffusers imports it after the attention module).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import threading
 from types import ModuleType
 
 from . import _switches
+from ._target_names import TARGETS
 from ._warnings import FixNotAppliedWarning, report
 
 _lock = threading.Lock()
@@ -39,6 +42,8 @@ def arm() -> None:
         import wrapt
 
         wrapt.register_post_import_hook(on_import, _switches.MODULE_NAME)
+        for name in {t.partition(":")[0] for t in TARGETS if ":" in t}:
+            wrapt.register_post_import_hook(_on_other_import, name)
     except Exception as exc:  # noqa: BLE001 - the host's import must survive anything
         report(
             f"diffusers_cudnn_fix: could not register the import hook ({type(exc).__name__}: {exc}); "
@@ -58,6 +63,13 @@ def install_prober() -> None:
     from . import _devices, _probe
 
     _devices.set_prober(_probe.maybe_probe)
+
+
+def _on_other_import(_: ModuleType) -> None:
+    """A module holding a target was imported: check and patch diffusers' attention module again, if imported."""
+    module = sys.modules.get(_switches.MODULE_NAME)
+    if module is not None:
+        on_import(module)
 
 
 def on_import(module: ModuleType) -> None:

@@ -608,7 +608,7 @@ def test_one_key_rows_that_see_their_key_and_fp16_masks_are_left_alone(patched) 
     assert without_masked_rows(grad_out, None) is grad_out
 
 
-# QwenImage's joint mask under Ulysses on 0.36 - 0.38 (qwen_joint_mask_order): tests/test_qwen_mask_order.py.
+# QwenImage's joint mask under Ulysses on 0.36 - 0.38 (qwen_joint_mask_order): tests/fixes/.
 
 
 # --- torch.autocast: q/k/v cast as F.scaled_dot_product_attention's autocast rule casts them ------------------
