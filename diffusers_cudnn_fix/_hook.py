@@ -41,9 +41,8 @@ def arm() -> None:
     try:
         import wrapt
 
-        wrapt.register_post_import_hook(on_import, _switches.MODULE_NAME)
-        for name in {t.partition(":")[0] for t in TARGETS if ":" in t}:
-            wrapt.register_post_import_hook(_on_other_import, name)
+        for name in (_switches.MODULE_NAME, *{t.partition(":")[0] for t in TARGETS if ":" in t}):
+            wrapt.register_post_import_hook(on_import, name)
     except Exception as exc:  # noqa: BLE001 - the host's import must survive anything
         report(
             f"diffusers_cudnn_fix: could not register the import hook ({type(exc).__name__}: {exc}); "
@@ -65,16 +64,11 @@ def install_prober() -> None:
     _devices.set_prober(_probe.maybe_probe)
 
 
-def _on_other_import(_: ModuleType) -> None:
-    """A module holding a target was imported: check and patch diffusers' attention module again, if imported."""
+def on_import(_: ModuleType) -> None:
+    """Check and patch diffusers' attention module (where imported), once it or a module of a target is. Never
+    raises."""
     module = sys.modules.get(_switches.MODULE_NAME)
-    if module is not None:
-        on_import(module)
-
-
-def on_import(module: ModuleType) -> None:
-    """Check and patch ``module``. Never raises."""
-    if not _active:
+    if not _active or module is None:
         return
     try:
         # Bad switch values are reported here, at the user's import of diffusers (not first use, which may

@@ -11,6 +11,7 @@ through ulysses_anything (unequal shards) every such mask (docs/fixes.md).
 from __future__ import annotations
 
 import contextvars
+import functools
 import sys
 import types
 from collections.abc import Callable, Mapping
@@ -31,15 +32,14 @@ MASK_INPUT = "encoder_hidden_states_mask"
 TEXT_LEN: contextvars.ContextVar[int | None] = contextvars.ContextVar("qwen_text_len", default=None)
 
 _SECTION = "fixes.md#qwen_joint_mask_order"
-_WAY_OUT = (
-    "Upgrade diffusers to >= 0.39.0 (fixed upstream), or train with prompts of one length "
-    "(encoder_hidden_states_mask=None), or without context parallelism."
-)
-_CONSEQUENCE = "Padded prompts would train silently wrong on every backend."
 MESSAGE = (
     "QwenImage's joint attention mask reached diffusers' Ulysses attention (Ulysses degree {degree}) as {layout}, "
     "which the package cannot put into the K/V's rank order [text_0, image_0, text_1, ...] (the mask is in the "
     "global order [text, image])."
+)
+WAY_OUT = (
+    "{anything}Upgrade diffusers to >= 0.39.0 (fixed upstream), or train with prompts of one length "
+    "(encoder_hidden_states_mask=None), or without context parallelism."
 )
 ANYTHING_WAY_OUT = "Or set ulysses_anything=False, where the package reorders the mask. "
 COMPILE_MESSAGE = explain(
@@ -50,11 +50,6 @@ COMPILE_MESSAGE = explain(
     "Compile without fullgraph=True, upgrade diffusers to >= 0.39.0, or pass encoder_hidden_states_mask=None.",
     _SECTION,
 )
-
-
-def _refusal(degree: int, layout: str | None, *, anything: bool = False) -> UnsafeAttentionError:
-    way_out = (ANYTHING_WAY_OUT if anything else "") + _WAY_OUT
-    return UnsafeAttentionError(explain(MESSAGE.format(degree=degree, layout=layout), _CONSEQUENCE, way_out, _SECTION))
 
 
 def rank_ordered_mask(mask: torch.Tensor, text_len: int, image_len: int, degree: int) -> torch.Tensor:
@@ -105,15 +100,12 @@ _reordered = _detect.last_result(_reorder)
 
 @torch.compiler.assume_constant_result
 def _unsharded_qwen_loaded() -> bool:
-    """Whether QwenImage is imported and its context-parallel plan leaves the joint mask unsharded (read while
-    tracing, as a constant)."""
+    """Whether QwenImage is imported and its context-parallel plan leaves the joint mask unsharded, naming
+    ``encoder_hidden_states_mask`` among no inputs it splits (read while tracing, as a constant)."""
     model = getattr(sys.modules.get(QWEN_MODULE), QWEN_MODEL, None)
-    return model is not None and not _plan_shards_the_mask(getattr(model, "_cp_plan", None))
-
-
-def _plan_shards_the_mask(plan: Any) -> bool:
-    """Whether a ``_cp_plan`` names ``encoder_hidden_states_mask`` among the inputs it splits."""
-    return isinstance(plan, Mapping) and any(isinstance(e, Mapping) and MASK_INPUT in e for e in plan.values())
+    plan = getattr(model, "_cp_plan", None)
+    shards = isinstance(plan, Mapping) and any(isinstance(e, Mapping) and MASK_INPUT in e for e in plan.values())
+    return model is not None and not shards
 
 
 def _layout_problem(
@@ -152,8 +144,10 @@ def _refuse_traced(degree: int) -> None:
 
 def processor(shipped: Callable[..., Any]) -> Callable[..., Any]:
     """QwenImage's attention processor ``shipped`` (``QwenDoubleStreamAttnProcessor2_0.__call__``) handing its
-    rank-local text length on to :func:`in_kv_order` through :data:`TEXT_LEN` while it runs."""
+    rank-local text length on to :func:`in_kv_order` through :data:`TEXT_LEN` while it runs. Its signature reads
+    as the shipped one (``__wrapped__``): diffusers' ``Attention`` drops keywords the processor's does not name."""
 
+    @functools.wraps(shipped, assigned=())
     def __call__(
         self: Any, attn: Any, hidden_states: Any, encoder_hidden_states: Any = None, *args: Any, **kwargs: Any
     ) -> Any:
@@ -196,7 +190,9 @@ def in_kv_order(
         if problem is None:
             return _reordered(attn_mask, (text_local * degree, (key.shape[1] - text_local) * degree, degree))
     if _masks_something(attn_mask, None):
-        raise _refusal(degree, problem, anything=anything)
+        way_out = WAY_OUT.format(anything=ANYTHING_WAY_OUT if anything else "")
+        cause = MESSAGE.format(degree=degree, layout=problem)
+        raise UnsafeAttentionError(explain(cause, "Padded prompts would train silently wrong.", way_out, _SECTION))
     return attn_mask
 
 

@@ -244,7 +244,7 @@ def test_layouts_that_cannot_be_mapped_are_refused_naming_them(entering_038: dic
 # --- the wrapper of QwenImage's attention processor: only where the fix applies, reverted exactly --------------
 
 INSTALL_SCRIPT = """
-import json
+import inspect, json
 if {package_first!r}:
     import diffusers_cudnn_fix
 import diffusers.models.transformers.transformer_qwenimage as qwen
@@ -256,6 +256,7 @@ out = {{
     "patched": diffusers_cudnn_fix.is_patched(fix.QWEN_PROCESSOR),
     "shipped": original.__code__.co_filename == qwen.__file__ and original.__name__ == "__call__",
     "live_is_shipped": cls.__dict__["__call__"] is original,
+    "signature": str(inspect.signature(cls.__call__)) == str(inspect.signature(original)),  # Attention reads it
 }}
 diffusers_cudnn_fix.revert()
 out["reverted"] = cls.__dict__["__call__"] is original and not diffusers_cudnn_fix.is_patched(fix.QWEN_PROCESSOR)
@@ -271,12 +272,13 @@ print(json.dumps(out))
 )
 def test_processor_wrapped_only_where_the_fix_applies(version: str, package_first: bool) -> None:
     """QwenImage's processor is the package's wrapper (which hands the text length on) on 0.36.0 - 0.38.x only,
-    the package imported before or after QwenImage's module; revert() puts back the very function shipped."""
+    the package imported before or after QwenImage's module, with the shipped signature (diffusers' Attention
+    drops the keywords it does not name); revert() puts back the very function shipped."""
     result = run(release_dir(version), INSTALL_SCRIPT.format(package_first=package_first), preloaded=True)
     applies = version in ("0.36.0", "0.38.0")
     assert result["shipped"] is True, result
     assert result == {**result, "patched": applies, "live_is_shipped": not applies, "reapplied": applies}, result
-    assert result["reverted"] is True, result
+    assert result["reverted"] is True and result["signature"] is True, result
 
 
 # --- training: tiny QwenImage, padded prompts, Ulysses degree 2 (and 4), gloo ----------------------------------
