@@ -109,11 +109,13 @@ def _unsharded_qwen_loaded() -> bool:
 
 
 def _layout_problem(
-    mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor, degree: int, text_local: int
+    mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor, degree: int, text_local: int, anything: bool
 ) -> str | None:
     """Why ``mask`` cannot be put into the K/V's order (a phrase for :data:`MESSAGE`), or None."""
     local, joint = key.shape[1], key.shape[1] * degree
     shape = tuple(mask.shape)
+    if anything:
+        return f"a mask {shape} of ulysses_anything attention, whose shards may differ in length"
     if mask.shape[-1] == local and local != joint:
         return f"a sequence-local mask {shape}, which this diffusers' Ulysses attention does not gather"
     if mask.shape[-1] != joint:
@@ -182,13 +184,9 @@ def in_kv_order(
     text_local = TEXT_LEN.get()
     if text_local is None:
         return attn_mask
-    if anything:
-        layout = f"a mask {tuple(attn_mask.shape)} of ulysses_anything attention, whose shards may differ in length"
-        problem: str | None = layout
-    else:
-        problem = _layout_problem(attn_mask, query, key, degree, text_local)
-        if problem is None:
-            return _reordered(attn_mask, (text_local * degree, (key.shape[1] - text_local) * degree, degree))
+    problem = _layout_problem(attn_mask, query, key, degree, text_local, anything)
+    if problem is None:
+        return _reordered(attn_mask, (text_local * degree, (key.shape[1] - text_local) * degree, degree))
     if _masks_something(attn_mask, None):
         way_out = WAY_OUT.format(anything=ANYTHING_WAY_OUT if anything else "")
         cause = MESSAGE.format(degree=degree, layout=problem)
