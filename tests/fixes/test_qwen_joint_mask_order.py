@@ -6,8 +6,10 @@ Three layers, cheapest first:
   small fixed hypothesis profile: Ulysses degree 2 and 4, text and image lengths, padding patterns, both mask
   shapes ([B, 1, 1, S] and [B, 1, S, S]), bool and additive masks;
 - the installed Ulysses forward of 0.38.0 in one process (a fresh interpreter): the mask that reaches
-  diffusers' own forward from a stand-in of QwenImage's attention processor, per layout, eager and under
-  ``torch.compile``; the layouts it cannot map are refused, naming the layout;
+  diffusers' own forward from a stand-in of QwenImage's attention processor inside the installed wrapper of it
+  (which hands the text length on), per layout, eager and under ``torch.compile``; the layouts it cannot map are
+  refused, naming the layout; the wrapper installed on 0.36.0 - 0.38.x only, the package imported before or
+  after QwenImage, with the shipped signature, and reverted to the very function shipped;
 - one training step of the tiny QwenImage with padded prompts of different lengths in one batch
   (``subprocess_cp_training``: ``QWEN_TEXT_MASK``), Ulysses degree 2 (2 gloo ranks; on 0.38.0 also with
   gradient checkpointing, and at degree 4 with 4 ranks), no switch set: the summed gradients within 3 % of
