@@ -43,8 +43,8 @@ Public API:
   and raise ``ValueError`` for a bad value;
 - :func:`is_patched` ``(target)`` and :func:`get_original` ``(target)``: whether
   ``diffusers.models.attention_dispatch.<target>`` is our replacement now, and the object diffusers shipped;
-  ``target`` is one of :data:`TARGETS` (bare or with the module's dotted name), anything else raises
-  ``ValueError``;
+  ``target`` is one of :data:`TARGETS` (bare or with the module's dotted name; a target of another module,
+  QwenImage's attention processor, as ``module:Class.attr``), anything else raises ``ValueError``;
 - ``__version__``: this package's version (also ``diffusers-cudnn-fix --version`` and the doctor's output);
 - the warning categories (:class:`DiffusersCudnnFixWarning` and its subclasses, all ``RuntimeWarning``)
   and :class:`UnsafeAttentionError`, raised where a result would be wrong and cannot be corrected.
@@ -80,7 +80,8 @@ if TYPE_CHECKING:
 __version__ = "0.3.0"
 
 #: What :func:`is_patched` and :func:`get_original` take: the attributes of
-#: ``diffusers.models.attention_dispatch`` the fixes may replace, bare or with that module's dotted name before them.
+#: ``diffusers.models.attention_dispatch`` the fixes may replace, bare or with that module's dotted name before them,
+#: and those of another module as ``module:Class.attr``.
 TARGETS = _target_names.TARGETS
 
 __all__ = [

@@ -511,21 +511,16 @@ def _reach_op(ctx: Any, query: Any, key: Any, value: Any, attn_mask: Any, *args:
 
 def call_ulysses(
     forward: Any, mask: torch.Tensor, mesh: Any, *, degree: int, forward_op: Any = _reach_op,
-    shape: tuple[int, ...] = (1, 4, 2, 8), dtype: torch.dtype = torch.float32,
-    via: Callable[[Any, tuple[Any, ...]], Any] | None = None, **extra: Any,
+    shape: tuple[int, ...] = (1, 4, 2, 8), dtype: torch.dtype = torch.float32, **extra: Any,
 ) -> None:  # fmt: skip
     """Call a Ulysses ``forward`` as diffusers' dispatch does in training, at Ulysses ``degree`` of 2 ranks on
     ``mesh`` (``extra``: more attributes of its config), with zero q/k/v of ``shape`` and ``mask``; raises what it
-    raises (the default ``forward_op``: :class:`ReachedOp`). ``via(forward, args)``: the call's frame."""
+    raises (the default ``forward_op``: :class:`ReachedOp`)."""
     config = types.SimpleNamespace(_ulysses_mesh=mesh, ulysses_degree=degree, _world_size=2, **extra)
     q, k, v = (torch.zeros(shape, dtype=dtype) for _ in range(3))
     args = (ProbeCtx(), q, k, v, mask, 0.0, False, None, False, False, forward_op, None)
     with torch.no_grad():  # as inside autograd.Function.forward
-        (via or _call)(forward, (*args, types.SimpleNamespace(context_parallel_config=config)))
-
-
-def _call(forward: Any, args: tuple[Any, ...]) -> Any:
-    return forward(*args)
+        forward(*args, types.SimpleNamespace(context_parallel_config=config))
 
 
 def mask_entering(

@@ -4,7 +4,9 @@ wrapt fires the hook right after the module is first imported, or at once if it 
 import order of diffusers and this package does not matter. The hook checks and patches on the importing
 thread and does no GPU work; it also imports the GPU probe and points the corrected ops at it, so that
 nothing they call later (on autograd's threads too) has a module left to import. Nothing raised in here
-reaches the host's import: a failure becomes a warning, and diffusers is left as shipped.
+reaches the host's import: a failure becomes a warning, and diffusers is left as shipped. A target in another
+module (``module:Class.attr``, :mod:`._target_names`) is installed by a hook on that module, which checks and
+patches again once it is imported (diffusers imports it after the attention module).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import threading
 from types import ModuleType
 
 from . import _switches
+from ._target_names import TARGETS
 from ._warnings import FixNotAppliedWarning, explain, report
 
 _lock = threading.Lock()
@@ -38,7 +41,8 @@ def arm() -> None:
     try:
         import wrapt
 
-        wrapt.register_post_import_hook(on_import, _switches.MODULE_NAME)
+        for name in (_switches.MODULE_NAME, *{t.partition(":")[0] for t in TARGETS if ":" in t}):
+            wrapt.register_post_import_hook(on_import, name)
     except Exception as exc:  # noqa: BLE001 - the host's import must survive anything
         report(explain(f"could not register the import hook ({type(exc).__name__}: {exc}).", "Importing diffusers "
                        "will not check or fix it.", "Call diffusers_cudnn_fix.apply() after importing diffusers.",
@@ -58,9 +62,11 @@ def install_prober() -> None:
     _devices.set_prober(_probe.maybe_probe)
 
 
-def on_import(module: ModuleType) -> None:
-    """Check and patch ``module``. Never raises."""
-    if not _active:
+def on_import(_: ModuleType) -> None:
+    """Check and patch diffusers' attention module (where imported), once it or a module of a target is. Never
+    raises."""
+    module = sys.modules.get(_switches.MODULE_NAME)
+    if not _active or module is None:
         return
     try:
         # Bad switch values are reported here, at the user's import of diffusers (not first use, which may

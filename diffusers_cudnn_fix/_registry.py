@@ -103,7 +103,10 @@ def _diffusers_version() -> str | None:
 
 def _holder(module: ModuleType | None, target: str) -> tuple[Any, str]:
     """What holds ``target`` (the module, the class of ``Class.attr``, or the dict ``Class.attr`` of
-    ``Class.attr[key]``; None if missing), and its name (or key) there."""
+    ``Class.attr[key]``; None if missing), and its name (or key) there. ``module:...``: in that module, if imported."""
+    if ":" in target:
+        name, _, target = target.partition(":")
+        module = sys.modules.get(name)
     if target.endswith("]"):
         path, _, key = target[:-1].partition("[")
         holder: Any = module
@@ -182,7 +185,7 @@ def _up_to_date(module: ModuleType, skipped: frozenset[str]) -> bool:
     if _state.module is not module or not _state.seen:
         return False
     if any(raw_get(module, t) is not obj for t, obj in _state.seen.items()):
-        logger.info("%s: changed since it was checked (reloaded or re-patched); re-checking", MODULE_NAME)
+        logger.info("%s: changed since it was checked (imported, reloaded or re-patched); re-checking", MODULE_NAME)
         return False
     return not any(
         r.code == "skipped" and r.finding.state == "broken" and i not in skipped for i, r in _state.records.items()

@@ -2,7 +2,8 @@
 no imports: the package's root reads them at import (:data:`TARGETS`), the fix table and the replacements too.
 
 A target is an attribute of the module (``name``), of a class there (``Class.attr``), or an entry of a dict there
-(``Class.attr[key]``: the backend registry's, which diffusers' dispatch reads at every call)."""
+(``Class.attr[key]``: the backend registry's, which diffusers' dispatch reads at every call). A target of another
+module names it first, ``module:Class.attr``: found through ``sys.modules``, patched once that module is imported."""
 
 CUDNN_FORWARD = "_cudnn_attention_forward_op"
 CUDNN_BACKWARD = "_cudnn_attention_backward_op"
@@ -15,9 +16,11 @@ ULYSSES_BACKWARD = "TemplatedUlyssesAttention.backward"
 ULYSSES_ANYTHING_FORWARD = "TemplatedUlyssesAnythingAttention.forward"
 #: The ``_native_flash`` backend as diffusers' dispatch reaches it: its entry in the backend registry.
 FLASH_BACKEND = "_AttentionBackendRegistry._backends[_native_flash]"
+#: QwenImage's attention processor, which knows the text length its joint mask needs (qwen_joint_mask_order).
+QWEN_PROCESSOR = "diffusers.models.transformers.transformer_qwenimage:QwenDoubleStreamAttnProcessor2_0.__call__"
 
 #: Every target, in the order of the public :data:`diffusers_cudnn_fix.TARGETS`.
 TARGETS = (
     CUDNN_FORWARD, CUDNN_BACKWARD, FLASH_FORWARD, FLASH_BACKWARD, RING_FORWARD, RING_BACKWARD, ULYSSES_FORWARD,
-    ULYSSES_BACKWARD, ULYSSES_ANYTHING_FORWARD, FLASH_BACKEND,
+    ULYSSES_BACKWARD, ULYSSES_ANYTHING_FORWARD, FLASH_BACKEND, QWEN_PROCESSOR,
 )  # fmt: skip

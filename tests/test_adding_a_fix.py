@@ -19,13 +19,6 @@ PACKAGE = ROOT / "diffusers_cudnn_fix"
 IDS = [fix.id for fix in ALL_FIXES]
 FIX_TESTS = ROOT / "tests" / "fixes"
 
-#: Fixes whose ``tests/fixes/test_<id>.py`` may be missing from this branch, each with where it comes from; the one
-#: exception to "every fix has its file", tolerated only while the file is absent.
-TEST_FILE_ARRIVING = {
-    # arrives with the QwenImage wrapper branch (tests/test_qwen_mask_order.py moves there)
-    "qwen_joint_mask_order": "arrives with the QwenImage wrapper branch",
-}
-
 
 def _policies() -> dict[str, set[str]]:
     """Target group module -> the fix ids its ``POLICIES`` names (read from the source: no torch)."""
@@ -59,8 +52,6 @@ def test_each_fix_has_what_adding_a_fix_lists(fix) -> None:
 def test_each_fix_has_its_test_file(fix: str) -> None:
     """``tests/fixes/test_<id>.py``: the fix's check, its policy and the control that fails without it."""
     path = FIX_TESTS / f"test_{fix}.py"
-    if fix in TEST_FILE_ARRIVING and not path.exists():
-        pytest.skip(f"tests/fixes/test_{fix}.py {TEST_FILE_ARRIVING[fix]}")
     assert path.is_file(), f"no {path.relative_to(ROOT)}: a fix's tests go there (docs/adding-a-fix.md)"
     assert fix in path.read_text(), f"{path.relative_to(ROOT)} never names {fix}"
 
@@ -71,7 +62,7 @@ def test_the_fix_tests_folder_holds_one_file_per_fix_and_no_other() -> None:
     files = {p.name for p in FIX_TESTS.glob("*.py") if p.name != "conftest.py"}
     expected = {f"test_{fix}.py" for fix in IDS}
     assert files <= expected, f"tests/fixes/ holds files for no fix id: {sorted(files - expected)}"
-    assert expected - files == {f"test_{fix}.py" for fix in TEST_FILE_ARRIVING} - files, sorted(expected - files)
+    assert expected == files, f"fixes with no file in tests/fixes/: {sorted(expected - files)}"
 
 
 def _tests_index() -> dict[str, list[str]]:
@@ -91,8 +82,7 @@ def test_each_fix_has_its_tests_in_the_index(fix: str) -> None:
     """tests/README.md lists at least one test file for ``fix``, and every file and test it lists exists."""
     listed = _tests_index().get(fix, [])
     assert listed, f"tests/README.md lists no test file for {fix}"
-    if fix not in TEST_FILE_ARRIVING or (FIX_TESTS / f"test_{fix}.py").exists():
-        assert listed[0] == f"tests/fixes/test_{fix}.py", f"{fix}: its own file first in tests/README.md's row"
+    assert listed[0] == f"tests/fixes/test_{fix}.py", f"{fix}: its own file first in tests/README.md's row"
     for entry in listed:
         path, _, name = entry.partition("::")
         assert (ROOT / path).is_file(), f"{fix}: {path} does not exist"

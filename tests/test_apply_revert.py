@@ -12,6 +12,7 @@ from harness import op_pair
 
 import diffusers_cudnn_fix
 from diffusers_cudnn_fix import _registry
+from diffusers_cudnn_fix._target_names import QWEN_PROCESSOR
 
 # What 0.39.0 needs: everything but the 0.36.0-only Ulysses fix.
 TARGETS = (
@@ -60,6 +61,20 @@ def test_apply_replaces_and_revert_restores_the_exact_objects(dispatch_module: t
     assert _live(dispatch_module) == shipped
     diffusers_cudnn_fix.apply()  # and apply again after revert
     assert all(diffusers_cudnn_fix.is_patched(name) for name in TARGETS)
+
+
+def test_a_target_of_another_module_is_left_as_shipped_where_not_needed(dispatch_module: types.ModuleType) -> None:
+    """QwenImage's attention processor (a target of another module, imported after apply(): the hook checks
+    again) is wrapped on 0.36.0 - 0.38.x only (tests/fixes/test_qwen_joint_mask_order.py); 0.39.0 keeps its own."""
+    diffusers_cudnn_fix.apply()
+    import diffusers.models.transformers.transformer_qwenimage as qwen
+
+    shipped = qwen.QwenDoubleStreamAttnProcessor2_0.__dict__["__call__"]
+    assert QWEN_PROCESSOR in diffusers_cudnn_fix.TARGETS
+    assert not diffusers_cudnn_fix.is_patched(QWEN_PROCESSOR)
+    assert diffusers_cudnn_fix.get_original(QWEN_PROCESSOR) is shipped
+    diffusers_cudnn_fix.revert()
+    assert qwen.QwenDoubleStreamAttnProcessor2_0.__dict__["__call__"] is shipped
 
 
 def test_status_reports_each_fix(patched: types.ModuleType) -> None:

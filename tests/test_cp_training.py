@@ -80,7 +80,7 @@ ALL_CASES = (*MODES, QWEN)
 QWEN_CORRECT = ("0.38.0", "0.39.0", "0.40.0", "0.41.0", "0.42.0", "0.42.1")
 #: 0.38.0's plan does not shard the mask (the joint mask in the global order [text, image], the Ulysses K/V in
 #: rank order): the package's ``qwen_joint_mask_order`` puts it into the K/V's order, so 0.38.0 is in
-#: ``QWEN_CORRECT`` (tests/test_qwen_mask_order.py has the control, that fix skipped: 194% off).
+#: ``QWEN_CORRECT`` (tests/fixes/test_qwen_joint_mask_order.py has the control, that fix skipped: 194% off).
 #: 0.37.x build a 2-D (B, S) joint mask that F.sdpa broadcasts as (S_q, S_kv): a padded prompt raises even
 #: in one process on the math backend (the reference), so there is nothing to compare and the case is not
 #: run there (the scenario would record ``reference_raised`` for it on both ranks).

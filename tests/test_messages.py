@@ -283,11 +283,31 @@ def test_ring_messages() -> None:
     assert_explained(raised(lambda: ring._recorded(types.SimpleNamespace())), section="fixes.md#ring_grad_route")
 
 
+def test_qwen_messages() -> None:
+    """QwenImage's joint mask that cannot be put in the K/V's order (inside the processor: its text length set),
+    plain and through ulysses_anything, and the traced call handed back to eager execution."""
+    import torch
+
+    from diffusers_cudnn_fix.fixes import qwen_joint_mask_order as qwen
+
+    config = types.SimpleNamespace(context_parallel_config=types.SimpleNamespace(ulysses_degree=2))
+    q = k = torch.zeros(1, 4, 2, 8)
+    mask = torch.ones(1, 1, 1, 5, dtype=torch.bool)  # not the joint length (8): cannot be mapped
+    mask[..., 0] = False
+    token = qwen.TEXT_LEN.set(2)
+    try:
+        for anything in (False, True):
+            message = raised(lambda anything=anything: qwen.in_kv_order(mask, q, k, config, anything=anything))
+            assert_explained(message, section="fixes.md#qwen_joint_mask_order")
+    finally:
+        qwen.TEXT_LEN.reset(token)
+    assert_explained(qwen.compile_message(2), section="fixes.md#qwen_joint_mask_order")
+
+
 # --- no site formats its own message ------------------------------------------------------------------------
 
 #: Sites not converted here, with why: their owners convert them (or they are no problem message).
 KNOWN_EXCEPTIONS = {
-    "fixes/qwen_joint_mask_order.py": "its owner converts it (QwenImage's joint-mask messages)",
     "_verify.py": "the verify report, not a problem message",
     "__main__.py": "the doctor's output, a report, not a problem message",
 }

@@ -14,16 +14,16 @@ too, and the package checks it (issue #29, item 3), as it checks ``TemplatedUlys
 from __future__ import annotations
 
 import pytest
-import test_qwen_mask_order
+from fixes import test_qwen_joint_mask_order
 from releases import release_dir, run
 
 # diffusers' own TemplatedUlyssesAnythingAttention.forward as installed, called from a stand-in of QwenImage's
-# attention processor: test_qwen_mask_order's harness, pointed at the ulysses_anything class.
-_HARNESS = test_qwen_mask_order.ENTERING_SCRIPT.partition("gen = torch.Generator")[0]
+# attention processor: tests/fixes/test_qwen_joint_mask_order.py's harness, pointed at the ulysses_anything class.
+_HARNESS = test_qwen_joint_mask_order.ENTERING_SCRIPT.partition("gen = torch.Generator")[0]
 QWEN_SCRIPT = (
     _HARNESS.replace("module.TemplatedUlyssesAttention.forward", "module.TemplatedUlyssesAnythingAttention.forward")
     .replace(
-        "diffusers_cudnn_fix.get_original(fix.TARGET)",
+        "diffusers_cudnn_fix.get_original(fix.ULYSSES_FORWARD)",
         "(diffusers_cudnn_fix.get_original(ANYTHING) if ANYTHING in diffusers_cudnn_fix.TARGETS"
         " else module.TemplatedUlyssesAnythingAttention.__dict__['forward'])",  # a package not knowing the target
     )
@@ -34,7 +34,7 @@ padded[0, ..., 3] = False
 out = {
     "padded": entering(installed, padded),
     "unpadded": entering(installed, torch.ones(2, 1, 1, 8, dtype=torch.bool)),
-    "other_model": entering(installed, padded, caller=OTHER),
+    "other_model": entering(installed, padded, qwen=False),
     "shipped": entering(shipped, padded),
     "patched": ANYTHING in diffusers_cudnn_fix.TARGETS and diffusers_cudnn_fix.is_patched(ANYTHING),
 }

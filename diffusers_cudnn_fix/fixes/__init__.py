@@ -12,6 +12,7 @@ from .._target_names import (
     FLASH_BACKEND,
     FLASH_BACKWARD,
     FLASH_FORWARD,
+    QWEN_PROCESSOR,
     RING_BACKWARD,
     RING_FORWARD,
     ULYSSES_ANYTHING_FORWARD,
@@ -75,7 +76,7 @@ ALL_FIXES: tuple[Fix, ...] = (
     Fix("qwen_joint_mask_order",
         "QwenImage's joint mask meets Ulysses' K/V in another token order: padded prompts train wrong",
         "fixed in diffusers 0.39.0 (the plan shards the mask; Ulysses all-gathers it)", ">=0.36.0,<0.39.0",
-        (ULYSSES_FORWARD, ULYSSES_ANYTHING_FORWARD)),
+        (ULYSSES_FORWARD, ULYSSES_ANYTHING_FORWARD, QWEN_PROCESSOR)),
     Fix("ring_grad_route", "ring/unified context parallelism's backward gives wrong K/V gradients: every ring step "
         "reuses the first step's tensors (0.36-0.39), or the gradients go the wrong way round from ring degree 3",
         f"{PR_14274} fixed the first; the route is not reported upstream", ">=0.36.0", (RING_FORWARD, RING_BACKWARD),

@@ -3,55 +3,57 @@
 Bug: QwenImage's joint mask is in global order [all text, all image], Ulysses' K/V in rank order [text_0,
 image_0, text_1, ...]: padded prompts train silently wrong. Releases 0.36.0-0.38.0 (0.39.0 gathers a sharded
 mask). Detection: does diffusers' Ulysses forward gather a local mask; if not, which mask reaches it from a
-QwenImage processor stand-in? The package: :func:`in_kv_order` reorders QwenImage's mask into the K/V's
-order and refuses, naming the layout, a mask it cannot map that masks something; through ulysses_anything
-(unequal shards) every such mask (docs/fixes.md).
+stand-in QwenImage processor? The package: QwenImage's processor hands its text length on (:data:`TEXT_LEN`);
+:func:`in_kv_order` reorders the mask into the K/V's order, refusing one it cannot map that masks something;
+through ulysses_anything (unequal shards) every such mask (docs/fixes.md).
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import sys
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from .. import _detect
 from .._fix import Finding, Lookup, shipped_of
-from .._warnings import UnsafeAttentionError
+from .._target_names import QWEN_PROCESSOR, ULYSSES_ANYTHING_FORWARD, ULYSSES_FORWARD
+from .._warnings import UnsafeAttentionError, explain
 
-TARGET = "TemplatedUlyssesAttention.forward"
-ANYTHING = "TemplatedUlyssesAnythingAttention.forward"
-QWEN_MODULE = "diffusers.models.transformers.transformer_qwenimage"
+QWEN_MODULE = QWEN_PROCESSOR.partition(":")[0]
 QWEN_MODEL = "QwenImageTransformer2DModel"
 MASK_INPUT = "encoder_hidden_states_mask"
-#: Frames between the forward and the attention processor that called it are diffusers' dispatch, torch's
-#: autograd and this package; a deeper caller is not the processor.
-_MAX_FRAMES = 16
-_PASS_THROUGH = ("diffusers.models.attention_dispatch", "torch", "diffusers_cudnn_fix", "functools")
-#: The processor's local holding its (rank-local) text length, in every release with the processor.
-_TEXT_LEN_LOCAL = "seq_txt"
+#: The rank-local text length of the QwenImage attention processor running now (the package's wrapper of it,
+#: :func:`processor`, sets it around diffusers' own); None outside one: a mask that is not QwenImage's joint mask.
+TEXT_LEN: contextvars.ContextVar[int | None] = contextvars.ContextVar("qwen_text_len", default=None)
 
+_SECTION = "fixes.md#qwen_joint_mask_order"
 MESSAGE = (
-    "diffusers_cudnn_fix: QwenImage's joint attention mask reached diffusers' Ulysses attention (Ulysses degree "
-    "{degree}) as {layout}, which the package cannot put into the K/V's rank order [text_0, image_0, text_1, "
-    "...] (the mask is in the global order [text, image]): padded prompts would train silently wrong on every "
-    "backend. The package reorders QwenImage's own joint mask ([B, 1, 1, S], [B, 1, S, S] or (B, S), S the joint "
-    "length). Upgrade diffusers to >= 0.39.0 (fixed upstream), or train with prompts of one length "
+    "QwenImage's joint attention mask reached diffusers' Ulysses attention (Ulysses degree {degree}) as {layout}, "
+    "which the package cannot put into the K/V's rank order [text_0, image_0, text_1, ...] (the mask is in the "
+    "global order [text, image])."
+)
+WAY_OUT = (
+    "{anything}Upgrade diffusers to >= 0.39.0 (fixed upstream), or train with prompts of one length "
     "(encoder_hidden_states_mask=None), or without context parallelism."
 )
+ANYTHING_WAY_OUT = "Or set ulysses_anything=False, where the package reorders the mask. "
 
-ANYTHING_WAY_OUT = " Or set ulysses_anything=False, where the package reorders the mask."
 
-COMPILE_MESSAGE = (
-    "diffusers_cudnn_fix: a mask reached diffusers' Ulysses attention (Ulysses degree {degree}) inside a "
-    "torch.compile graph, with QwenImage loaded in a diffusers that hands its joint mask to Ulysses in another "
-    "token order than the K/V (padded prompts would train silently wrong). Traced, the package cannot tell the "
-    "model or its text length, so it asks for this call to run eagerly, where it reorders the mask: compile "
-    "without fullgraph=True, upgrade diffusers to >= 0.39.0, or pass encoder_hidden_states_mask=None."
-)
+def compile_message(degree: int) -> str:
+    """Why a traced call with QwenImage's joint mask at Ulysses ``degree`` is handed back to eager execution."""
+    return explain(
+        f"QwenImage's attention ran under Ulysses (degree {degree}) inside a torch.compile graph, in a diffusers "
+        "that hands its joint mask to Ulysses in another token order than the K/V.",
+        "Traced, the package cannot reorder the mask (padded prompts would train silently wrong), so it asks for "
+        "this call to run eagerly, where it does.",
+        "Compile without fullgraph=True, upgrade diffusers to >= 0.39.0, or pass encoder_hidden_states_mask=None.",
+        _SECTION,
+    )
 
 
 def rank_ordered_mask(mask: torch.Tensor, text_len: int, image_len: int, degree: int) -> torch.Tensor:
@@ -102,48 +104,22 @@ _reordered = _detect.last_result(_reorder)
 
 @torch.compiler.assume_constant_result
 def _unsharded_qwen_loaded() -> bool:
-    """Whether QwenImage is imported and its context-parallel plan leaves the joint mask unsharded (read while
-    tracing, as a constant)."""
+    """Whether QwenImage is imported and its context-parallel plan leaves the joint mask unsharded, naming
+    ``encoder_hidden_states_mask`` among no inputs it splits (read while tracing, as a constant)."""
     model = getattr(sys.modules.get(QWEN_MODULE), QWEN_MODEL, None)
-    return model is not None and not _plan_shards_the_mask(getattr(model, "_cp_plan", None))
-
-
-def _plan_shards_the_mask(plan: Any) -> bool:
-    """Whether a ``_cp_plan`` names ``encoder_hidden_states_mask`` among the inputs it splits."""
-    return isinstance(plan, Mapping) and any(isinstance(e, Mapping) and MASK_INPUT in e for e in plan.values())
-
-
-def _qwen_frame(frame: types.FrameType | None) -> types.FrameType | None:
-    """The frame of QwenImage's module that made this call (through dispatch, autograd and this package)."""
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            return None
-        name = frame.f_globals.get("__name__", "")
-        if name == QWEN_MODULE:
-            return frame
-        if not name.startswith(_PASS_THROUGH):
-            return None
-        frame = frame.f_back
-    return None
-
-
-def _text_len_local(frame: types.FrameType) -> int | None:
-    """The rank-local text length from the processor's locals (``seq_txt``, else its ``encoder_hidden_states``)."""
-    text = frame.f_locals.get(_TEXT_LEN_LOCAL)
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    stream = frame.f_locals.get("encoder_hidden_states")
-    if isinstance(stream, torch.Tensor) and stream.dim() >= 2:
-        return int(stream.shape[1])
-    return None
+    plan = getattr(model, "_cp_plan", None)
+    shards = isinstance(plan, Mapping) and any(isinstance(e, Mapping) and MASK_INPUT in e for e in plan.values())
+    return model is not None and not shards
 
 
 def _layout_problem(
-    mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor, degree: int, text_local: int | None
+    mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor, degree: int, text_local: int, anything: bool
 ) -> str | None:
     """Why ``mask`` cannot be put into the K/V's order (a phrase for :data:`MESSAGE`), or None."""
     local, joint = key.shape[1], key.shape[1] * degree
     shape = tuple(mask.shape)
+    if anything:
+        return f"a mask {shape} of ulysses_anything attention, whose shards may differ in length"
     if mask.shape[-1] == local and local != joint:
         return f"a sequence-local mask {shape}, which this diffusers' Ulysses attention does not gather"
     if mask.shape[-1] != joint:
@@ -155,52 +131,71 @@ def _layout_problem(
             return f"a 2-D mask {shape} whose first dimension is not the batch ({query.shape[0]})"
     elif mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] not in (1, joint):
         return f"a mask {shape} (per head, or neither [B, 1, 1, S] nor [B, 1, S, S])"
-    if text_local is None:
-        return f"a mask {shape} from a QwenImage processor whose text length could not be read (no `seq_txt`)"
     if not 0 <= text_local <= local:
         return f"a mask {shape} with a text length {text_local} outside the local sequence {local}"
     return None
 
 
+def _degree(config: Any) -> int:
+    degree = getattr(getattr(config, "context_parallel_config", None), "ulysses_degree", 1)
+    return degree if isinstance(degree, int) else 1
+
+
+def _refuse_traced(degree: int) -> None:
+    """While tracing, at Ulysses degree > 1 with QwenImage's unsharded mask: raise, so that dynamo runs the
+    call eagerly, where the text length and the mask's values can be read (with fullgraph=True: an error)."""
+    if degree > 1 and _unsharded_qwen_loaded():
+        raise UnsafeAttentionError(compile_message(degree))
+
+
+def processor(shipped: Callable[..., Any]) -> Callable[..., Any]:
+    """QwenImage's attention processor ``shipped`` (``QwenDoubleStreamAttnProcessor2_0.__call__``) handing its
+    rank-local text length on to :func:`in_kv_order` through :data:`TEXT_LEN` while it runs. Its signature reads
+    as the shipped one (``__wrapped__``): diffusers' ``Attention`` drops keywords the processor's does not name."""
+
+    @functools.wraps(shipped, assigned=())
+    def __call__(
+        self: Any, attn: Any, hidden_states: Any, encoder_hidden_states: Any = None, *args: Any, **kwargs: Any
+    ) -> Any:
+        if torch.compiler.is_compiling():  # ContextVar.set breaks a graph: refuse where the mask needs it
+            if isinstance(args[1] if len(args) > 1 else kwargs.get("attention_mask"), torch.Tensor):
+                _refuse_traced(_degree(getattr(self, "_parallel_config", None)))
+            return shipped(self, attn, hidden_states, encoder_hidden_states, *args, **kwargs)
+        text = encoder_hidden_states.shape[1] if isinstance(encoder_hidden_states, torch.Tensor) else None
+        token = TEXT_LEN.set(text)
+        try:
+            return shipped(self, attn, hidden_states, encoder_hidden_states, *args, **kwargs)
+        finally:
+            TEXT_LEN.reset(token)
+
+    return __call__
+
+
 def in_kv_order(
     attn_mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor, config: Any, *, anything: bool = False
 ) -> torch.Tensor:
-    """``attn_mask`` as the attention op must get it: QwenImage's joint mask (read off the calling frames:
-    through the package, dispatch and autograd) at Ulysses degree > 1 put into the K/V's order; every other
-    mask as it came. Raises :class:`UnsafeAttentionError` for a QwenImage mask it cannot map: under
-    ``anything`` (``TemplatedUlyssesAnythingAttention``, whose ranks may hold shards of different lengths that
-    no rank knows of the others) every such mask that masks something."""
-    degree = getattr(getattr(config, "context_parallel_config", None), "ulysses_degree", 1)
-    if not isinstance(degree, int) or degree <= 1:
+    """``attn_mask`` as the attention op must get it: QwenImage's joint mask (inside its processor:
+    :data:`TEXT_LEN`) at Ulysses degree > 1 put into the K/V's order; every other mask as it came. Raises
+    :class:`UnsafeAttentionError` for a QwenImage mask it cannot map: under ``anything``
+    (``TemplatedUlyssesAnythingAttention``, whose ranks may hold shards of different lengths that no rank knows
+    of the others) every such mask that masks something."""
+    degree = _degree(config)
+    if degree <= 1:
         return attn_mask
     if torch.compiler.is_compiling():
-        # Neither the calling frame nor the mask's values can be read while tracing. Raising here makes dynamo
-        # run this call eagerly, where they can (with fullgraph=True it is an error that carries this message).
-        if _unsharded_qwen_loaded():
-            raise UnsafeAttentionError(COMPILE_MESSAGE.format(degree=degree))
+        _refuse_traced(degree)
         return attn_mask
-    frame = _qwen_frame(sys._getframe(1))
-    if frame is None:
+    text_local = TEXT_LEN.get()
+    if text_local is None:
         return attn_mask
-    text_local = _text_len_local(frame)
-    del frame  # a frame kept alive (by a refusal's traceback) keeps the processor's tensors alive
-    if anything:
-        if _masks_something(attn_mask, None):
-            layout = f"a mask {tuple(attn_mask.shape)} of ulysses_anything attention, whose shards may differ in length"
-            raise UnsafeAttentionError(MESSAGE.format(degree=degree, layout=layout) + ANYTHING_WAY_OUT)
-        return attn_mask
-    problem = _layout_problem(attn_mask, query, key, degree, text_local)
-    if problem is None and text_local is not None:
+    problem = _layout_problem(attn_mask, query, key, degree, text_local, anything)
+    if problem is None:
         return _reordered(attn_mask, (text_local * degree, (key.shape[1] - text_local) * degree, degree))
     if _masks_something(attn_mask, None):
-        raise UnsafeAttentionError(MESSAGE.format(degree=degree, layout=problem))
+        way_out = WAY_OUT.format(anything=ANYTHING_WAY_OUT if anything else "")
+        cause = MESSAGE.format(degree=degree, layout=problem)
+        raise UnsafeAttentionError(explain(cause, "Padded prompts would train silently wrong.", way_out, _SECTION))
     return attn_mask
-
-
-def _call(forward: Any, args: tuple[Any, ...], seq_txt: int) -> Any:
-    """Calls ``forward``; the check runs a copy whose module globals look like QwenImage's (the reorder reads
-    the calling frame's module) and whose locals carry the processor's text length, as QwenImage's do."""
-    return forward(*args)
 
 
 _BATCH, _HEADS, _DIM, _WORLD = 1, 2, 8, 2
@@ -229,13 +224,14 @@ def _padded_global_mask() -> tuple[torch.Tensor, torch.Tensor]:
     return mask, mask[..., order]
 
 
-def _from_qwen() -> dict[str, Any]:
-    """:func:`_detect.call_ulysses`' arguments for a call at Ulysses degree 2 from a stand-in of QwenImage's
-    attention processor."""
-    model = type(QWEN_MODEL, (), {"_cp_plan": {"transformer_blocks.0": {"hidden_states": None}}})
-    call_from_qwen = _detect.with_globals(_call, __name__=QWEN_MODULE, **{QWEN_MODEL: model})
-    via = functools.partial(call_from_qwen, seq_txt=_TEXT_LOCAL)
-    return {"degree": _WORLD, "shape": (_BATCH, _SEQ, _HEADS, _DIM), "via": via}
+#: :func:`_detect.call_ulysses`' arguments: Ulysses degree 2, q/k/v of 2 text + 2 image tokens per rank.
+_CALL: dict[str, Any] = {"degree": _WORLD, "shape": (_BATCH, _SEQ, _HEADS, _DIM)}
+
+
+def _from_qwen(run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``run(*args, **kwargs)`` as QwenImage's attention processor runs its attention: inside the package's
+    wrapper (:func:`processor`) of a stand-in processor whose text stream holds ``_TEXT_LOCAL`` tokens per rank."""
+    return processor(lambda *_: run(*args, **kwargs))(None, None, None, torch.zeros(_BATCH, _TEXT_LOCAL, _DIM))
 
 
 def _shipped_gathers(shipped: Any, stand_ins: dict[str, Any] | None = None) -> bool | str:
@@ -245,7 +241,7 @@ def _shipped_gathers(shipped: Any, stand_ins: dict[str, Any] | None = None) -> b
     if not isinstance(shipped, types.FunctionType):
         return f"the innermost forward is a {type(shipped).__name__}, not a function"
     mask = _padded_local_mask()
-    reached = _detect.op_reached(shipped, shipped, mask, stand_ins=stand_ins, **_from_qwen())
+    reached = _detect.op_reached(shipped, shipped, mask, stand_ins=stand_ins, **_CALL)
     if isinstance(reached, str):
         return reached
     if reached.mask is mask:
@@ -257,8 +253,8 @@ def _shipped_gathers(shipped: Any, stand_ins: dict[str, Any] | None = None) -> b
 
 def _check_forward(lookup: Lookup, target: str, stand_ins: dict[str, Any] | None) -> Finding:
     """The check of one Ulysses forward (``target``: the plain class's or the ``anything`` class's)."""
-    forward, name = lookup(target), target.partition(".")[0]
-    gathers = _shipped_gathers(shipped_of(lookup, target), stand_ins)
+    forward, shipped, name = lookup(target), shipped_of(lookup, target), target.partition(".")[0]
+    gathers = _shipped_gathers(shipped, stand_ins)
     if isinstance(gathers, str):
         return Finding("unknown", f"{name}'s forward could not be run in one process ({gathers})")
     if gathers:
@@ -266,9 +262,7 @@ def _check_forward(lookup: Lookup, target: str, stand_ins: dict[str, Any] | None
     # diffusers' forward hands the op the mask as it came: what reaches it from QwenImage's processor?
     mask, expected = _padded_global_mask()
     try:
-        entering = _detect.mask_entering(
-            forward, shipped_of(lookup, target), mask, passes=(UnsafeAttentionError,), **_from_qwen()
-        )
+        entering = _from_qwen(_detect.mask_entering, forward, shipped, mask, passes=(UnsafeAttentionError,), **_CALL)
     except UnsafeAttentionError:
         return Finding("ok", f"QwenImage's joint mask, which {name} would hand on in another token order, is refused")
     if isinstance(entering, str):
@@ -283,11 +277,11 @@ def _check_forward(lookup: Lookup, target: str, stand_ins: dict[str, Any] | None
 
 
 def check(lookup: Lookup) -> Finding:
-    if lookup(TARGET) is None:
+    if lookup(ULYSSES_FORWARD) is None:
         return Finding("absent", "this diffusers has no TemplatedUlyssesAttention")
-    findings = [_check_forward(lookup, TARGET, None)]
-    if lookup(ANYTHING) is not None:  # 0.37.0 on
-        findings.append(_check_forward(lookup, ANYTHING, _detect.ULYSSES_ANYTHING_STAND_INS))
+    findings = [_check_forward(lookup, ULYSSES_FORWARD, None)]
+    if lookup(ULYSSES_ANYTHING_FORWARD) is not None:  # 0.37.0 on
+        findings.append(_check_forward(lookup, ULYSSES_ANYTHING_FORWARD, _detect.ULYSSES_ANYTHING_STAND_INS))
     for state in ("broken", "unknown"):
         found = [f for f in findings if f.state == state]
         if found:

@@ -23,7 +23,7 @@ from .._detect import CUDNN_FORWARD_KERNEL, FLASH_FORWARD_KERNEL, input_count, r
 from .._fix import Lookup
 from ..fixes import CUDNN_FORWARD, FLASH_FORWARD, ULYSSES_ANYTHING_FORWARD, ULYSSES_BACKWARD, ULYSSES_FORWARD
 from ..fixes.cudnn_bool_mask import mask_policy
-from ..fixes.qwen_joint_mask_order import in_kv_order
+from ..fixes.qwen_joint_mask_order import QWEN_PROCESSOR, in_kv_order, processor
 from ..fixes.ulysses_mask_grad import refuse_mask_grad
 
 FORWARD_POLICIES = frozenset({"qwen_joint_mask_order", "ulysses_mask_grad", "cudnn_bool_mask"})
@@ -57,6 +57,8 @@ def build(shipped: Lookup, broken: frozenset[str], ops: dict[str, Any]) -> dict[
     if broken & ANYTHING_POLICIES and shipped(ULYSSES_ANYTHING_FORWARD) is not None:
         anything = forward(shipped(ULYSSES_ANYTHING_FORWARD), broken & ANYTHING_POLICIES, meets, anything=True)
         built[ULYSSES_ANYTHING_FORWARD] = staticmethod(anything)
+    if "qwen_joint_mask_order" in broken and shipped(QWEN_PROCESSOR) is not None:  # hands in_kv_order the text length
+        built[QWEN_PROCESSOR] = processor(shipped(QWEN_PROCESSOR))
     if "ulysses_grad_count" in broken:
         inputs = input_count(shipped(ULYSSES_FORWARD))
         assert inputs is not None  # the check read it before the build

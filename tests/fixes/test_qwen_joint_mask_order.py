@@ -6,8 +6,10 @@ Three layers, cheapest first:
   small fixed hypothesis profile: Ulysses degree 2 and 4, text and image lengths, padding patterns, both mask
   shapes ([B, 1, 1, S] and [B, 1, S, S]), bool and additive masks;
 - the installed Ulysses forward of 0.38.0 in one process (a fresh interpreter): the mask that reaches
-  diffusers' own forward from a stand-in of QwenImage's attention processor, per layout, eager and under
-  ``torch.compile``; the layouts it cannot map are refused, naming the layout;
+  diffusers' own forward from a stand-in of QwenImage's attention processor inside the installed wrapper of it
+  (which hands the text length on), per layout, eager and under ``torch.compile``; the layouts it cannot map are
+  refused, naming the layout; the wrapper installed on 0.36.0 - 0.38.x only, the package imported before or
+  after QwenImage, with the shipped signature, and reverted to the very function shipped;
 - one training step of the tiny QwenImage with padded prompts of different lengths in one batch
   (``subprocess_cp_training``: ``QWEN_TEXT_MASK``), Ulysses degree 2 (2 gloo ranks; on 0.38.0 also with
   gradient checkpointing, and at degree 4 with 4 ranks), no switch set: the summed gradients within 3 % of
@@ -101,19 +103,22 @@ def test_rank_ordered_mask_moves_padding_and_refuses_what_does_not_fit() -> None
 ENTERING_SCRIPT = """
 import json, types, torch, diffusers_cudnn_fix
 import diffusers.models.attention_dispatch as module
-import diffusers.models.transformers.transformer_qwenimage  # loaded, as in a QwenImage run (its plan is read)
+import diffusers.models.transformers.transformer_qwenimage as qwen  # loaded, as in a QwenImage run
 from diffusers_cudnn_fix import UnsafeAttentionError
+from diffusers_cudnn_fix._detect import rebuilt_around
 from diffusers_cudnn_fix.fixes import ALL_FIXES, qwen_joint_mask_order as fix
 FIX_ID = "qwen_joint_mask_order"
 
 installed = module.TemplatedUlyssesAttention.forward
-shipped = diffusers_cudnn_fix.get_original(fix.TARGET).__func__
-QWEN, OTHER = fix.QWEN_MODULE, "diffusers.models.transformers.transformer_ltx"
-CALLERS = {
-    # As QwenImage's processor: its module, and its rank-local text length in `seq_txt`.
-    "processor": "def call(forward, args, seq_txt):\\n    return forward(*args)\\n",
-    "no_text_len": "def call(forward, args, seq_txt):\\n    del seq_txt\\n    return forward(*args)\\n",
-}
+shipped = diffusers_cudnn_fix.get_original(fix.ULYSSES_FORWARD).__func__
+
+def stand_in(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
+             attention_mask=None):  # QwenImage's processor, handing its joint mask to the attention (`attn`)
+    return attn(attention_mask)
+
+# QwenImage's processor as installed (the package's wrapper, where it is one) around the stand-in.
+processor = rebuilt_around(qwen.QwenDoubleStreamAttnProcessor2_0.__call__,
+                           diffusers_cudnn_fix.get_original(fix.QWEN_PROCESSOR), stand_in) or stand_in
 
 class Reached(Exception):
     pass
@@ -121,19 +126,25 @@ class Reached(Exception):
 def stop(*args, **kwargs):  # diffusers' own code asked for its process group: read the mask it got
     raise Reached
 
-def entering(forward, mask, *, caller=QWEN, degree=2, local=4, text_local=2, how="processor", fullgraph=None):
+def entering(forward, mask, *, qwen=True, degree=2, local=4, text_local=2, fullgraph=None):
     config = types.SimpleNamespace(_ulysses_mesh=types.SimpleNamespace(get_group=stop), ulysses_degree=degree)
-    scope = {"__name__": caller}
-    exec(CALLERS[how], scope)
+    parallel = types.SimpleNamespace(context_parallel_config=config)
     q = k = v = torch.zeros(2, local, 4, 8)
-    args = (types.SimpleNamespace(), q, k, v, mask, 0.0, False, None, False, False, stop, None,
-            types.SimpleNamespace(context_parallel_config=config))
-    call = scope["call"]
+    this, text = types.SimpleNamespace(_parallel_config=parallel), torch.zeros(2, text_local, 8)
+
+    def attn(m):
+        return forward(types.SimpleNamespace(), q, k, v, m, 0.0, False, None, False, False, stop, None, parallel)
+
+    def call(m):  # from QwenImage's processor, or from another model's
+        if not qwen:
+            return attn(m)
+        return processor(this, attn, None, text, None, m)
+
     if fullgraph is not None:  # torch.compile'd, as a compiled transformer reaches it
         torch._dynamo.reset()
         call = torch.compile(call, backend="aot_eager", fullgraph=fullgraph)
     try:
-        call(forward, args, text_local)
+        call(mask)
     except UnsafeAttentionError as exc:
         return {"refused": str(exc)}
     except Reached as exc:
@@ -171,12 +182,11 @@ out = {
     "per_head": entering(installed, per_head),
     "unpadded_per_head": entering(installed, unpadded_per_head),
     "local_mask": entering(installed, local),
-    "no_text_len": entering(installed, padded, how="no_text_len"),
-    "other_model": entering(installed, padded, caller=OTHER),
+    "other_model": entering(installed, padded, qwen=False),
     "degree_1": entering(installed, padded, degree=1),
     "shipped": entering(shipped, padded),
     "compiled": entering(installed, padded, fullgraph=False),
-    "compiled_other_model": entering(installed, padded, caller=OTHER, fullgraph=False),
+    "compiled_other_model": entering(installed, padded, qwen=False, fullgraph=False),
     "compiled_fullgraph": entering(installed, padded, fullgraph=True),
 }
 # The same mask object twice: the reorder is kept (one object for every layer, which the conversion caches).
@@ -225,13 +235,52 @@ def test_qwen_masks_reach_ulysses_in_the_kv_order_on_038(entering_038: dict) -> 
     [
         ("per_head", "per head"),
         ("local_mask", "sequence-local mask"),
-        ("no_text_len", "text length could not be read"),
     ],
 )
 def test_layouts_that_cannot_be_mapped_are_refused_naming_them(entering_038: dict, case: str, named: str) -> None:
     refused = entering_038[case].get("refused", "")
     assert refused.startswith("diffusers_cudnn_fix: QwenImage's joint attention mask"), entering_038[case]
     assert named in refused and "0.39.0" in refused and "encoder_hidden_states_mask=None" in refused, refused
+
+
+# --- the wrapper of QwenImage's attention processor: only where the fix applies, reverted exactly --------------
+
+INSTALL_SCRIPT = """
+import inspect, json
+if {package_first!r}:
+    import diffusers_cudnn_fix
+import diffusers.models.transformers.transformer_qwenimage as qwen
+import diffusers_cudnn_fix
+from diffusers_cudnn_fix.fixes import qwen_joint_mask_order as fix
+cls = qwen.QwenDoubleStreamAttnProcessor2_0
+original = diffusers_cudnn_fix.get_original(fix.QWEN_PROCESSOR)
+out = {{
+    "patched": diffusers_cudnn_fix.is_patched(fix.QWEN_PROCESSOR),
+    "shipped": original.__code__.co_filename == qwen.__file__ and original.__name__ == "__call__",
+    "live_is_shipped": cls.__dict__["__call__"] is original,
+    "signature": str(inspect.signature(cls.__call__)) == str(inspect.signature(original)),  # Attention reads it
+}}
+diffusers_cudnn_fix.revert()
+out["reverted"] = cls.__dict__["__call__"] is original and not diffusers_cudnn_fix.is_patched(fix.QWEN_PROCESSOR)
+diffusers_cudnn_fix.apply()
+out["reapplied"] = diffusers_cudnn_fix.is_patched(fix.QWEN_PROCESSOR)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize(
+    ("version", "package_first"),
+    [("0.35.2", True), ("0.36.0", True), ("0.38.0", True), ("0.38.0", False), ("0.39.0", True), ("0.42.1", False)],
+)
+def test_processor_wrapped_only_where_the_fix_applies(version: str, package_first: bool) -> None:
+    """QwenImage's processor is the package's wrapper (which hands the text length on) on 0.36.0 - 0.38.x only,
+    the package imported before or after QwenImage's module, with the shipped signature (diffusers' Attention
+    drops the keywords it does not name); revert() puts back the very function shipped."""
+    result = run(release_dir(version), INSTALL_SCRIPT.format(package_first=package_first), preloaded=True)
+    applies = version in ("0.36.0", "0.38.0")
+    assert result["shipped"] is True, result
+    assert result == {**result, "patched": applies, "live_is_shipped": not applies, "reapplied": applies}, result
+    assert result["reverted"] is True and result["signature"] is True, result
 
 
 # --- training: tiny QwenImage, padded prompts, Ulysses degree 2 (and 4), gloo ----------------------------------
