@@ -193,11 +193,10 @@ def run_pair(
     """
     trace = Trace()
     try:
-        if qkv is not None:
-            q, k, v = qkv
-        else:
-            q = torch.empty(BATCH, SEQ_Q, HEADS, HEAD_DIM, dtype=dtype)
-            k, v = (torch.empty(BATCH, SEQ_KV, HEADS, HEAD_DIM, dtype=key_dtype or dtype) for _ in range(2))
+        q, k, v = qkv or (
+            torch.empty(BATCH, SEQ_Q, HEADS, HEAD_DIM, dtype=dtype),
+            *(torch.empty(BATCH, SEQ_KV, HEADS, HEAD_DIM, dtype=key_dtype or dtype) for _ in range(2)),
+        )
         ctx = ProbeCtx()
         # no_grad: diffusers calls these ops inside autograd.Function.forward, where grad mode is off.
         with torch.no_grad(), _Recorder(trace):
@@ -269,14 +268,12 @@ def check_backward_layout(forward: Any, backward: Any, forward_op: str, backward
     fwd, bwd = trace.first(forward_op), trace.first(backward_op)
     if fwd is None or bwd is None:
         return Finding("unknown", f"the ops never reached the ATen kernels ({trace.error or 'no call recorded'})")
-    if _qkv_shapes(fwd) != kernel_shapes():
-        return Finding("unknown", f"the forward hands the kernel q/k/v as {_qkv_shapes(fwd)}, not (B, H, S, D)")
-    if _qkv_shapes(bwd) != _qkv_shapes(fwd):
-        return Finding(
-            "broken",
-            f"the backward kernel gets q/k/v of shapes {_qkv_shapes(bwd)} but the forward kernel got "
-            f"{_qkv_shapes(fwd)}: saved tensors are re-transposed",
-        )
+    fwd_shapes, bwd_shapes = _qkv_shapes(fwd), _qkv_shapes(bwd)
+    if fwd_shapes != kernel_shapes():
+        return Finding("unknown", f"the forward hands the kernel q/k/v as {fwd_shapes}, not (B, H, S, D)")
+    if bwd_shapes != fwd_shapes:
+        return Finding("broken", f"the backward kernel gets q/k/v of shapes {bwd_shapes} but the forward kernel got "
+                       f"{fwd_shapes}: saved tensors are re-transposed")  # fmt: skip
     grad_out, out = bwd.tensor("grad_out"), bwd.tensor("out")
     if grad_out is None or out is None or (grad_out.shape, grad_out.stride) != (out.shape, out.stride):
         return Finding(
