@@ -62,9 +62,7 @@ class TensorInfo:
 
     @classmethod
     def of(cls, value: Any) -> TensorInfo | None:
-        if not isinstance(value, torch.Tensor):
-            return None
-        return cls(tuple(value.shape), tuple(value.stride()), value.dtype)
+        return cls(tuple(value.shape), tuple(value.stride()), value.dtype) if isinstance(value, torch.Tensor) else None
 
 
 @dataclass(frozen=True)
@@ -536,8 +534,7 @@ def mask_entering(
     except passes:
         raise
     except ReachedOp as reached:
-        entering = reached.mask
-        return entering if isinstance(entering, torch.Tensor) else f"it received {entering!r}"
+        return reached.mask if isinstance(reached.mask, torch.Tensor) else f"it received {reached.mask!r}"
     except Exception as exc:  # noqa: BLE001 - a refusal, or an unknown build: the caller decides
         return f"{type(exc).__name__}: {exc}"
     return "the forward returned without calling diffusers' forward"
