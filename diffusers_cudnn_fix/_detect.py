@@ -632,6 +632,6 @@ def run_ring(
     q, k, v = (torch.zeros(shape) for _ in range(3))
     result = with_globals(forward, funcol=collectives)(
         ctx, q, k, v, None, 0.0, False, None, False, False, forward_op, backward_op, config
-    )  # fmt: skip
+    )
     grads = with_globals(backward, funcol=collectives)(ctx, torch.zeros(shape))
     return result, grads
