@@ -62,9 +62,7 @@ class TensorInfo:
 
     @classmethod
     def of(cls, value: Any) -> TensorInfo | None:
-        if not isinstance(value, torch.Tensor):
-            return None
-        return cls(tuple(value.shape), tuple(value.stride()), value.dtype)
+        return cls(tuple(value.shape), tuple(value.stride()), value.dtype) if isinstance(value, torch.Tensor) else None
 
 
 @dataclass(frozen=True)
@@ -124,13 +122,14 @@ class ProbeCtx:
         self.saved_tensors = tensors
 
 
+def _parallel_config(**config: Any) -> Any:
+    """What diffusers' ops are handed as ``_parallel_config``: a context-parallel config with these attributes."""
+    return types.SimpleNamespace(context_parallel_config=types.SimpleNamespace(**config))
+
+
 def training_parallel_config() -> Any:
     """The attributes diffusers' ops read from a context-parallel config in a 2-way CP training run."""
-    return types.SimpleNamespace(
-        context_parallel_config=types.SimpleNamespace(
-            _world_size=2, ring_degree=1, ulysses_degree=2, convert_to_fp32=False
-        )
-    )
+    return _parallel_config(_world_size=2, ring_degree=1, ulysses_degree=2, convert_to_fp32=False)
 
 
 def _positional_params(fn: Any) -> tuple[tuple[str, ...], bool] | None:
@@ -192,11 +191,10 @@ def run_pair(
     """
     trace = Trace()
     try:
-        if qkv is not None:
-            q, k, v = qkv
-        else:
-            q = torch.empty(BATCH, SEQ_Q, HEADS, HEAD_DIM, dtype=dtype)
-            k, v = (torch.empty(BATCH, SEQ_KV, HEADS, HEAD_DIM, dtype=key_dtype or dtype) for _ in range(2))
+        q, k, v = qkv or (
+            torch.empty(BATCH, SEQ_Q, HEADS, HEAD_DIM, dtype=dtype),
+            *(torch.empty(BATCH, SEQ_KV, HEADS, HEAD_DIM, dtype=key_dtype or dtype) for _ in range(2)),
+        )
         ctx = ProbeCtx()
         # no_grad: diffusers calls these ops inside autograd.Function.forward, where grad mode is off.
         with torch.no_grad(), _Recorder(trace):
@@ -268,14 +266,12 @@ def check_backward_layout(forward: Any, backward: Any, forward_op: str, backward
     fwd, bwd = trace.first(forward_op), trace.first(backward_op)
     if fwd is None or bwd is None:
         return Finding("unknown", f"the ops never reached the ATen kernels ({trace.error or 'no call recorded'})")
-    if _qkv_shapes(fwd) != kernel_shapes():
-        return Finding("unknown", f"the forward hands the kernel q/k/v as {_qkv_shapes(fwd)}, not (B, H, S, D)")
-    if _qkv_shapes(bwd) != _qkv_shapes(fwd):
-        return Finding(
-            "broken",
-            f"the backward kernel gets q/k/v of shapes {_qkv_shapes(bwd)} but the forward kernel got "
-            f"{_qkv_shapes(fwd)}: saved tensors are re-transposed",
-        )
+    fwd_shapes, bwd_shapes = _qkv_shapes(fwd), _qkv_shapes(bwd)
+    if fwd_shapes != kernel_shapes():
+        return Finding("unknown", f"the forward hands the kernel q/k/v as {fwd_shapes}, not (B, H, S, D)")
+    if bwd_shapes != fwd_shapes:
+        return Finding("broken", f"the backward kernel gets q/k/v of shapes {bwd_shapes} but the forward kernel got "
+                       f"{fwd_shapes}: saved tensors are re-transposed")  # fmt: skip
     grad_out, out = bwd.tensor("grad_out"), bwd.tensor("out")
     if grad_out is None or out is None or (grad_out.shape, grad_out.stride) != (out.shape, out.stride):
         return Finding(
@@ -437,26 +433,27 @@ def with_stand_ins(fn: Callable[..., Any], shipped: Any, **overrides: Any) -> Ca
     return copy if fn is shipped else (rebuilt_around(fn, shipped, copy) or fn)
 
 
+def _rebuilt(fn: Any, held: Callable[[Any], bool], value: Any) -> types.FunctionType | None:
+    """``fn`` (a built replacement) as its builder makes it when handed ``value`` in place of what its closure
+    holds where ``held(content)``; None where it holds no such thing."""
+    if not isinstance(fn, types.FunctionType) or not any(held(_content(cell)) for cell in fn.__closure__ or ()):
+        return None
+    cells = tuple(types.CellType(value) if held(_content(cell)) else cell for cell in fn.__closure__ or ())
+    return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+
+
 def rebuilt_around(fn: Any, shipped: Any, inner: Any) -> types.FunctionType | None:
     """The replacement ``fn`` built around ``inner`` instead of diffusers' ``shipped`` (the function its builder
     was handed, held in its closure): the seam a builder is, used on a built replacement. None where ``fn`` holds
     no ``shipped``."""
-    closure = getattr(fn, "__closure__", None) or ()
-    if not isinstance(fn, types.FunctionType) or not any(_content(cell) is shipped for cell in closure):
-        return None
-    cells = tuple(types.CellType(inner) if _content(cell) is shipped else cell for cell in closure)
-    return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+    return _rebuilt(fn, lambda content: content is shipped, inner)
 
 
 def rebuilt_with(fn: Any, record: Any) -> Any:
     """The replacement ``fn`` as its builder makes it when handed ``record`` instead of the record of the same type
     it was handed (held in its closure): the builder's seam, used on a built replacement. ``fn`` itself where it
     holds no such record (diffusers' own function)."""
-    closure = getattr(fn, "__closure__", None) or ()
-    if not isinstance(fn, types.FunctionType) or not any(type(_content(c)) is type(record) for c in closure):
-        return fn
-    cells = tuple(types.CellType(record) if type(_content(c)) is type(record) else c for c in closure)
-    return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+    return _rebuilt(fn, lambda content: type(content) is type(record), record) or fn
 
 
 def _content(cell: Any) -> Any:
@@ -491,15 +488,12 @@ ULYSSES_STAND_INS = {
 }
 
 
-def _later(x: torch.Tensor, group: Any = None, **kwargs: Any) -> Callable[[], torch.Tensor]:
-    return lambda: x
-
-
 #: Stand-ins for the collectives of diffusers' ``TemplatedUlyssesAnythingAttention.forward`` (0.37+): its
-#: all-to-alls hand back their input; the mask all-gather (0.39+) gathers two equal shards.
+#: all-to-alls hand back their input (when waited for, as async ones do); the mask all-gather (0.39+) gathers two
+#: equal shards.
 ULYSSES_ANYTHING_STAND_INS = {
-    "all_to_all_single_any_qkv_async": _later,
-    "all_to_all_single_any_o_async": _later,
+    "all_to_all_single_any_qkv_async": lambda x, group=None, **kwargs: lambda: x,
+    "all_to_all_single_any_o_async": lambda x, group=None, **kwargs: lambda: x,
     "gather_size_by_comm": lambda size, group=None: [size, size],
     "dist": types.SimpleNamespace(all_gather=_all_gather, get_world_size=lambda group=None: 2),
 }
@@ -516,11 +510,10 @@ def call_ulysses(
     """Call a Ulysses ``forward`` as diffusers' dispatch does in training, at Ulysses ``degree`` of 2 ranks on
     ``mesh`` (``extra``: more attributes of its config), with zero q/k/v of ``shape`` and ``mask``; raises what it
     raises (the default ``forward_op``: :class:`ReachedOp`)."""
-    config = types.SimpleNamespace(_ulysses_mesh=mesh, ulysses_degree=degree, _world_size=2, **extra)
+    config = _parallel_config(_ulysses_mesh=mesh, ulysses_degree=degree, _world_size=2, **extra)
     q, k, v = (torch.zeros(shape, dtype=dtype) for _ in range(3))
-    args = (ProbeCtx(), q, k, v, mask, 0.0, False, None, False, False, forward_op, None)
     with torch.no_grad():  # as inside autograd.Function.forward
-        forward(*args, types.SimpleNamespace(context_parallel_config=config))
+        forward(ProbeCtx(), q, k, v, mask, 0.0, False, None, False, False, forward_op, None, config)
 
 
 def mask_entering(
@@ -541,8 +534,7 @@ def mask_entering(
     except passes:
         raise
     except ReachedOp as reached:
-        entering = reached.mask
-        return entering if isinstance(entering, torch.Tensor) else f"it received {entering!r}"
+        return reached.mask if isinstance(reached.mask, torch.Tensor) else f"it received {reached.mask!r}"
     except Exception as exc:  # noqa: BLE001 - a refusal, or an unknown build: the caller decides
         return f"{type(exc).__name__}: {exc}"
     return "the forward returned without calling diffusers' forward"
@@ -580,10 +572,8 @@ def run_ulysses_backward(backward: Any, shipped: Any) -> tuple[tuple[Any, ...] |
     def backward_op(ctx: Any, grad: torch.Tensor, *a: Any, **kw: Any) -> tuple[torch.Tensor, ...]:
         return torch.empty_like(grad), torch.empty_like(grad), torch.empty_like(grad)  # only counted
 
-    config = types.SimpleNamespace(_ulysses_mesh=FAKE_MESH, ulysses_degree=1, _world_size=2)
-    ctx = types.SimpleNamespace(
-        _parallel_config=types.SimpleNamespace(context_parallel_config=config), backward_op=backward_op
-    )
+    config = _parallel_config(_ulysses_mesh=FAKE_MESH, ulysses_degree=1, _world_size=2)
+    ctx = types.SimpleNamespace(_parallel_config=config, backward_op=backward_op)
     run = with_stand_ins(backward, shipped, _all_to_all_single=lambda x, group=None: x)
     try:
         return tuple(run(ctx, torch.empty(1, 4, 2, 8))), None
@@ -635,14 +625,13 @@ def run_ring(
     collectives = types.SimpleNamespace(
         all_gather_tensor=gather, permute_tensor=permute, AsyncCollectiveTensor=type("AsyncCollectiveTensor", (), {})
     )
-    config = types.SimpleNamespace(
+    config = _parallel_config(
         _ring_mesh=FAKE_MESH, _ring_local_rank=0, ring_degree=world, convert_to_fp32=False, _world_size=world
     )
     ctx = ProbeCtx()
     q, k, v = (torch.zeros(shape) for _ in range(3))
     result = with_globals(forward, funcol=collectives)(
-        ctx, q, k, v, None, 0.0, False, None, False, False, forward_op, backward_op,
-        types.SimpleNamespace(context_parallel_config=config),
-    )  # fmt: skip
+        ctx, q, k, v, None, 0.0, False, None, False, False, forward_op, backward_op, config
+    )
     grads = with_globals(backward, funcol=collectives)(ctx, torch.zeros(shape))
     return result, grads

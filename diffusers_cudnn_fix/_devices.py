@@ -64,8 +64,7 @@ def record(found: ProbeResult) -> None:
 
 def zero_copy_allowed(device: torch.device) -> bool:
     """Whether the probe verified views on ``device`` (or is trying them on this thread right now)."""
-    found = _results.get(str(device))
-    return getattr(_local, "views", False) or (found is not None and found.zero_copy)
+    return getattr(_local, "views", False) or getattr(_results.get(str(device)), "zero_copy", False)
 
 
 @contextmanager

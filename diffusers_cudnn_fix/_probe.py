@@ -126,8 +126,7 @@ def probe(device: torch.device | str | int | None = None) -> ProbeResult:
 def _probe_locked(device: torch.device, trigger: str) -> ProbeResult:
     start = time.perf_counter()
     key = str(device)
-    earlier = _devices.result(key)
-    runs = 1 if earlier is None else earlier.runs + 1
+    runs = getattr(_devices.result(key), "runs", 0) + 1
     skip = _skip_reason(device)
     if skip is not None:
         result = ProbeResult(key, "skipped", skip, runs=runs, trigger=trigger)
