@@ -312,10 +312,9 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
     header, *lines = _columns([("fix", "table", "check", "applied", "result"), *rows])
     print(header)
     for f, line in zip(fixes, lines, strict=True):
-        note = notes[f["id"]]
         print(line)
         print(_wrap(f["title"], "      "))
-        if f["applied"] and note is not None:
+        if f["applied"] and (note := notes[f["id"]]) is not None:
             print(_wrap(note(), "      "))
         if verbose or f["result"] in ("NOT FIXED", f["detected"]):  # the result does not say why: the reason does
             print(_wrap(f"why: {f['reason']}", "      "))
