@@ -133,17 +133,6 @@ def _command_line() -> tuple[_Parser, _Parser]:
 # ------------------------------------------------------------------------------------------------------------
 # What the doctor finds
 # ------------------------------------------------------------------------------------------------------------
-def _environment() -> dict[str, Any]:
-    import torch
-
-    gpu = None
-    if torch.cuda.is_available():
-        gpu = f"{torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))})"
-    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    versions = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda}
-    return {**versions, "cudnn": cudnn, "gpu": gpu}
-
-
 def _shipped_vs_corrected(device: Any) -> list[dict[str, Any]]:
     """Rows "as shipped" and "corrected" for the cuDNN pair on the probe's first case (H == S)."""
     import torch
@@ -190,7 +179,13 @@ def collect(run_gpu: bool = True, require_gpu: bool = False) -> tuple[dict[str, 
     # What the behavioural check sees now, on the installed objects: per fix, state and evidence.
     checked = _registry.check_live(sys.modules[_registry.MODULE_NAME])
     live = {fix_id: {"state": f.state, "detail": f.detail} for fix_id, f in checked.items()}
-    data: dict[str, Any] = {"version": __version__, "environment": _environment(), "check_after_patching": live}
+    gpu = None
+    if torch.cuda.is_available():
+        gpu = f"{torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))})"
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    versions = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda}
+    environment = {**versions, "cudnn": cudnn, "gpu": gpu}
+    data: dict[str, Any] = {"version": __version__, "environment": environment, "check_after_patching": live}
     if run_gpu:
         result = _probe.probe()
         data["probe"] = dataclasses.asdict(result)
@@ -317,10 +312,9 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
     header, *lines = _columns([("fix", "table", "check", "applied", "result"), *rows])
     print(header)
     for f, line in zip(fixes, lines, strict=True):
-        note = notes[f["id"]]
         print(line)
         print(_wrap(f["title"], "      "))
-        if f["applied"] and note is not None:
+        if f["applied"] and (note := notes[f["id"]]) is not None:
             print(_wrap(note(), "      "))
         if verbose or f["result"] in ("NOT FIXED", f["detected"]):  # the result does not say why: the reason does
             print(_wrap(f"why: {f['reason']}", "      "))

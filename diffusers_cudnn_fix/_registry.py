@@ -101,9 +101,10 @@ def _diffusers_version() -> str | None:
     return None if version is None else str(version)
 
 
-def _holder(module: ModuleType | None, target: str) -> tuple[Any, str]:
+def _holder(module: ModuleType | None, target: str) -> tuple[Any, Any]:
     """What holds ``target`` (the module, the class of ``Class.attr``, or the dict ``Class.attr`` of
-    ``Class.attr[key]``; None if missing), and its name (or key) there. ``module:...``: in that module, if imported."""
+    ``Class.attr[key]``; None if missing), and its name there (or the dict's own key, None if it has none).
+    ``module:...``: in that module, if imported."""
     if ":" in target:
         name, _, target = target.partition(":")
         module = sys.modules.get(name)
@@ -112,15 +113,13 @@ def _holder(module: ModuleType | None, target: str) -> tuple[Any, str]:
         holder: Any = module
         for part in path.split("."):
             holder = getattr(holder, part, None)
-        return (holder if isinstance(holder, dict) else None), key
+        if not isinstance(holder, dict):
+            return None, key
+        # diffusers' backend names are str enums, equal to their value but hashed by their member name: the key
+        # is found by comparison, not by hash.
+        return holder, next((k for k in holder if k == key), None)
     owner, _, name = target.rpartition(".")
     return (getattr(module, owner, None) if owner else module), name
-
-
-def _entry_key(holder: dict[Any, Any], name: str) -> Any:
-    """The key of ``holder`` equal to ``name``: diffusers' backend names are ``str`` enums, equal to their value
-    but hashed by their member name, so they are found by comparison, not by hash."""
-    return next((key for key in holder if key == name), None)
 
 
 def raw_get(module: ModuleType | None, target: str) -> Any:
@@ -128,17 +127,16 @@ def raw_get(module: ModuleType | None, target: str) -> Any:
     ``Class.attr[key]``), or None."""
     holder, name = _holder(module, target)
     if isinstance(holder, dict):
-        key = _entry_key(holder, name)
-        return None if key is None else holder[key]
+        return holder.get(name)
     return holder.__dict__.get(name) if isinstance(holder, type) else getattr(holder, name, None)
 
 
 def _raw_set(module: ModuleType | None, target: str, value: Any) -> None:
     holder, name = _holder(module, target)
     if isinstance(holder, dict):
-        holder[_entry_key(holder, name)] = value  # only ever an entry that is there (raw_get found it)
-        return
-    setattr(holder, name, value)
+        holder[name] = value  # only ever an entry that is there (raw_get found it)
+    else:
+        setattr(holder, name, value)
 
 
 def callable_of(obj: Any) -> Any:
@@ -396,8 +394,7 @@ def original(target: str) -> Any:
     shipped code.
     """
     with _state.lock:
-        kept = _state.originals
-        return kept[target] if target in kept else raw_get(sys.modules.get(MODULE_NAME), target)
+        return _state.originals[target] if target in _state.originals else raw_get(sys.modules.get(MODULE_NAME), target)
 
 
 def is_patched(target: str) -> bool:

@@ -87,10 +87,9 @@ class Report(NamedTuple):
 
     def __str__(self) -> str:
         state = "enabled" if self.enabled else f"SWITCHED OFF by {ENABLE_VAR}"
-        versions = (
-            f"diffusers {self.diffusers_version or '(not installed)'}, torch {self.torch_version or '(not loaded)'}"
-        )
-        lines = [f"diffusers_cudnn_fix: {state}", f"  {versions}", *([f"  {self.problem}"] if self.problem else [])]
+        diffusers, torch = self.diffusers_version or "(not installed)", self.torch_version or "(not loaded)"
+        lines = [f"diffusers_cudnn_fix: {state}", f"  diffusers {diffusers}, torch {torch}"]
+        lines += [f"  {self.problem}"] if self.problem else []
         if not self.module_loaded and self.fixes:
             lines.append(f"  {MODULE_NAME} not imported yet: fixes apply when it is")
         rows = [(f.id, TABLE_SAYS[f.expected], f.detected, "yes" if f.applied else "no", f.reason) for f in self.fixes]
