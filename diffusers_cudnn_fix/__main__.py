@@ -206,7 +206,7 @@ def collect(run_gpu: bool = True, require_gpu: bool = False) -> tuple[dict[str, 
     data["upstream"] = {
         fix.id: {"issue": fix.upstream_folder, "holds": fix.upstream_issue}
         for fix in ALL_FIXES
-        if fix.upstream_issue is not None and shipped.get(fix.id) == "broken"
+        if fix.upstream_folder is not None and shipped.get(fix.id) == "broken"
     }
     verified = data["nothing_to_fix"] or "shipped_vs_corrected" in data  # nothing to verify, or verified on a GPU
     code = EXIT_NOT_SAFE if not report.ok else (EXIT_OK if verified else EXIT_UNVERIFIED)
