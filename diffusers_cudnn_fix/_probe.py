@@ -37,7 +37,8 @@ import torch
 import torch.backends.cuda
 import torch.backends.cudnn
 
-from . import _detect, _devices, _registry, _switches
+# _report too: _registry.status() imports it inside, and this module's trigger may run on autograd's thread.
+from . import _detect, _devices, _registry, _report, _switches  # noqa: F401
 from ._devices import CaseResult, ProbeResult
 from ._warnings import ProbeFailedWarning, UnsafeAttentionError, explain, logger, report
 from .fixes import CUDNN_BACKWARD, CUDNN_FORWARD, FLASH_BACKWARD, FLASH_FORWARD

@@ -78,3 +78,20 @@ def test_views_only_where_verified_and_unit_stride() -> None:
         assert _devices.zero_copy_allowed(torch.device("cuda", 1))
     x = torch.zeros(2, 5, 3, 8)
     assert kernel_layout(x)[0].is_contiguous()
+
+
+@pytest.mark.slow
+def test_what_the_trigger_calls_is_loaded_before_any_op_runs() -> None:
+    """The trigger may run on autograd's thread, where a first import can deadlock: what the probe calls (the
+    registry's ``status()`` included, which decides whether the zero-copy views are tried) imports nothing that
+    the hook has not loaded already, before any attention op runs. On the code before the fix, ``_report``."""
+    from releases import release_dir, run
+
+    script = (
+        "import json, sys, diffusers_cudnn_fix, diffusers.models.attention_dispatch\n"
+        "before = set(sys.modules)\n"
+        "from diffusers_cudnn_fix import _probe, _registry\n"
+        "_registry.status()\n"
+        "print(json.dumps({'new': sorted(m for m in set(sys.modules) - before if 'diffusers_cudnn_fix' in m)}))\n"
+    )
+    assert run(release_dir("0.39.0"), script)["new"] == []
