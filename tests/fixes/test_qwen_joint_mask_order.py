@@ -283,6 +283,51 @@ def test_processor_wrapped_only_where_the_fix_applies(version: str, package_firs
     assert result["reverted"] is True and result["signature"] is True, result
 
 
+#: A tiny QwenImage with a padded prompt, no context parallelism: its output and gradients through the package's
+#: processor wrapper, eager and compiled, against the processor diffusers shipped (after revert()).
+COMPILED_SCRIPT = """
+import json
+import diffusers_cudnn_fix
+import torch
+from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
+
+torch.manual_seed(0)
+model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=1,
+    attention_head_dim=16, num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(4, 6, 6))
+mask = torch.ones(2, 6, dtype=torch.bool)
+mask[0, -2:] = False
+inputs = dict(hidden_states=torch.randn(2, 16, 16), encoder_hidden_states=torch.randn(2, 6, 16),
+    encoder_hidden_states_mask=mask, timestep=torch.tensor([0.5, 0.5]), img_shapes=[(1, 4, 4)] * 2,
+    txt_seq_lens=[6, 6], return_dict=False)
+
+def step(run):
+    model.zero_grad()
+    out = run(**inputs)[0]
+    out.square().mean().backward()
+    return [out.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+wrapped = diffusers_cudnn_fix.is_patched({target!r})
+eager, compiled = step(model), step(torch.compile(model))
+diffusers_cudnn_fix.revert()
+shipped = step(model)
+diff = lambda a, b: max(float((x - y).abs().max()) for x, y in zip(a, b))
+print(json.dumps({{"wrapped": wrapped, "eager": diff(eager, shipped), "compiled": diff(compiled, shipped),
+    "tensors": len(shipped)}}))
+"""
+
+
+@pytest.mark.slow
+def test_wrapped_processor_matches_the_shipped_one_eager_and_compiled() -> None:
+    """The wrapper changes nothing a processor computes: every keyword reaches diffusers' processor (its
+    ``Attention`` drops those the signature does not name: a generic wrapper lost ``image_rotary_emb``), and
+    under ``torch.compile`` (inductor) it traces without a refusal where there is no context parallelism."""
+    from diffusers_cudnn_fix._target_names import QWEN_PROCESSOR
+
+    result = run(release_dir("0.38.0"), COMPILED_SCRIPT.format(target=QWEN_PROCESSOR))
+    assert result["wrapped"] is True and result["tensors"] > 10, result
+    assert result["eager"] <= 1e-6 and result["compiled"] <= 1e-5, result
+
+
 # --- training: tiny QwenImage, padded prompts, Ulysses degree 2 (and 4), gloo ----------------------------------
 
 #: The launcher: ``subprocess_cp_training``'s own jobs, one after the other in one interpreter, with a Ulysses
