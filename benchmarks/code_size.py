@@ -14,7 +14,8 @@ from pathlib import Path
 _NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
 
 
-def code_lines(source: str) -> int:
+def code_line_numbers(source: str) -> set[int]:
+    """The numbers of the lines of ``source`` that hold code."""
     docstrings: set[int] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
@@ -23,7 +24,11 @@ def code_lines(source: str) -> int:
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type not in _NOT_CODE:
             lines.update(n for n in range(token.start[0], token.end[0] + 1) if n not in docstrings)
-    return len(lines)
+    return lines
+
+
+def code_lines(source: str) -> int:
+    return len(code_line_numbers(source))
 
 
 def main() -> None:

@@ -14,7 +14,6 @@ up as a shape change.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import types
 from collections.abc import Callable
@@ -26,7 +25,6 @@ from packaging.version import Version
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._fix import Finding, Lookup
-from ._key_padding import remembered
 
 # Model layout (B, S, H, D) shapes used by the check. All distinct so that a swapped pair of dims is visible.
 BATCH, SEQ_Q, SEQ_KV, HEADS, HEAD_DIM = 2, 5, 7, 3, 8
@@ -401,11 +399,6 @@ def aten_contract_problem(*ops: str) -> Finding | None:
             f"kernel), not the {cudnn_lse_ndim()} this package expects of it",
         )
     return None
-
-
-def last_result(compute: Callable[[torch.Tensor, Any], Any]) -> Callable[[torch.Tensor, Any], Any]:
-    """``compute(tensor, question)`` through the one cache of the mask policies (``_key_padding.remembered``)."""
-    return functools.partial(remembered, compute)
 
 
 def with_globals(fn: Callable[..., Any], **overrides: Any) -> Callable[..., Any]:

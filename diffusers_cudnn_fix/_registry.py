@@ -1,8 +1,8 @@
 """Apply / revert machinery and the status report. One lock; the shipped objects are kept once.
 
-Applying: every fix's check runs on the shipped code; each group of targets (``targets/``) builds its one
-replacement per target from the set of fixes found broken; every fix found broken must pass its own check
-on the replacements, or is left out and the group rebuilt without it; then the replacements are installed.
+Applying: every fix's check runs on the shipped code; ``targets.build`` builds one replacement per target from
+the set of fixes found broken; every fix found broken must pass its own check on the replacements, or is left
+out and the replacements rebuilt without it; then they are installed.
 What is *applied* is never a stored flag: it is read off the live module (is the attribute our
 replacement?), so a reload of diffusers' module or someone else's patch cannot leave the report stale.
 """
@@ -272,19 +272,17 @@ def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> None:
 
 
 def _build(module: ModuleType, wanted: set[str]) -> tuple[dict[str, Any], dict[str, str]]:
-    """Each group's replacements for the ``wanted`` fixes, every one of which passes its own check on them; the
-    fixes left out, with why."""
-    from .targets import GROUPS
+    """The replacements for the ``wanted`` fixes, every one of which passes its own check on them; the fixes left
+    out, with why."""
+    from .targets import build
 
     wanted, failed = set(wanted), {}
     while True:
-        built: dict[str, Any] = {}
-        for group in GROUPS:
-            ids = frozenset(wanted & group.POLICIES)
-            try:
-                built.update(group.build(Objects(module), ids) if ids else {})
-            except Exception as exc:  # noqa: BLE001 - a failing build leaves diffusers as shipped
-                failed.update(dict.fromkeys(ids, f"building the replacement failed: {type(exc).__name__}: {exc}"))
+        try:
+            built = build(Objects(module), frozenset(wanted)) if wanted else {}
+        except Exception as exc:  # noqa: BLE001 - a failing build leaves diffusers as shipped
+            built = {}
+            failed.update(dict.fromkeys(wanted, f"building the replacements failed: {type(exc).__name__}: {exc}"))
         candidates = Objects(module, built)
         verified = {f.id: check_of(f)(candidates) for f in _fixes() if f.id in wanted and f.id not in failed}
         failed.update({fix_id: found.detail for fix_id, found in verified.items() if found.state != "ok"})

@@ -135,6 +135,35 @@ def test_threads_applying_at_once_install_each_fix_once(dispatch_module: types.M
     assert _live(dispatch_module) == shipped
 
 
+def test_a_build_that_raises_leaves_diffusers_as_shipped_and_says_so(
+    dispatch_module: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replacement's builder that raises (an unknown diffusers, a bug of ours) must not break apply() or the
+    import: diffusers stays as shipped, every fix found broken is "failed" with the builder's error, a
+    FixNotAppliedWarning says so for each, and the report is not OK."""
+    import diffusers_cudnn_fix.targets
+
+    shipped = _shipped(dispatch_module)
+
+    def build(shipped: object, broken: frozenset[str]) -> dict[str, object]:
+        raise RuntimeError("a builder's bug")
+
+    monkeypatch.setattr(diffusers_cudnn_fix.targets, "build", build)
+    try:
+        with pytest.warns(diffusers_cudnn_fix.FixNotAppliedWarning, match="a builder's bug"):
+            report = diffusers_cudnn_fix.apply()
+        assert _live(dispatch_module) == shipped
+        failed = {f.id for f in report.fixes if f.reason_code == "failed"}
+        assert failed == {f.id for f in report.fixes if f.detected == "broken"} and failed, report
+        assert all("a builder's bug" in f.reason for f in report.fixes if f.id in failed)
+        assert not report.ok
+    finally:
+        monkeypatch.undo()
+        diffusers_cudnn_fix.revert()
+    assert diffusers_cudnn_fix.apply().ok  # the real builder again
+    diffusers_cudnn_fix.revert()
+
+
 def test_modules_holding_a_shipped_op_are_rebound_and_restored(dispatch_module: types.ModuleType) -> None:
     shipped = _shipped(dispatch_module)
     # The scan skips third-party packages whole, by sorted name ranges: names right beside a skipped one

@@ -21,6 +21,7 @@ import torch
 
 from .. import _detect
 from .._fix import Finding, Lookup, shipped_of
+from .._key_padding import remembered
 from .._target_names import QWEN_PROCESSOR, ULYSSES_ANYTHING_FORWARD, ULYSSES_FORWARD
 from .._warnings import UnsafeAttentionError, explain
 
@@ -95,11 +96,6 @@ def _masks(mask: torch.Tensor, _: None) -> bool:
 def _reorder(mask: torch.Tensor, lengths: tuple[int, int, int]) -> torch.Tensor:
     """:func:`rank_ordered_mask` of ``mask`` (2-D (B, S) read as [B, 1, 1, S]) for (text, image length, degree)."""
     return rank_ordered_mask(mask[:, None, None, :] if mask.dim() == 2 else mask, *lengths)
-
-
-# A mask built once and handed to every layer is read, and reordered, once per mask object and version.
-_masks_something = _detect.last_result(_masks)
-_reordered = _detect.last_result(_reorder)
 
 
 @torch.compiler.assume_constant_result
@@ -189,9 +185,10 @@ def in_kv_order(
     if text_local is None:
         return attn_mask
     problem = _layout_problem(attn_mask, query, key, degree, text_local, anything)
+    # A mask built once and handed to every layer is read, and reordered, once per mask object and version.
     if problem is None:
-        return _reordered(attn_mask, (text_local * degree, (key.shape[1] - text_local) * degree, degree))
-    if _masks_something(attn_mask, None):
+        return remembered(_reorder, attn_mask, (text_local * degree, (key.shape[1] - text_local) * degree, degree))
+    if remembered(_masks, attn_mask, None):
         way_out = WAY_OUT.format(anything=ANYTHING_WAY_OUT if anything else "")
         cause = MESSAGE.format(degree=degree, layout=problem)
         raise UnsafeAttentionError(explain(cause, "Padded prompts would train silently wrong.", way_out, _SECTION))

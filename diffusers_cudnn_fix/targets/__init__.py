@@ -1,21 +1,17 @@
-"""The replaced targets, grouped by what is patched: one replacement per attribute of diffusers' attention
-module, built once from the set of fixes found broken (each group's ``build(shipped, broken)``). The cuDNN and
-flash ops are built first, in one group with the Ulysses and ring classes, which are handed them (``ulysses.build``,
-``ring.build``): a replacement learns of another through its builder's arguments."""
+"""The replaced targets: one replacement per attribute of diffusers' attention module (and QwenImage's attention
+processor), built once from the set of fixes found broken (:func:`build`). The cuDNN and flash ops are built
+first; the Ulysses and ring builders are handed them (``ulysses.build``, ``ring.build``): a replacement learns of
+another through its builder's arguments."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 from .._fix import Lookup
 from . import cudnn, flash, ring, ulysses
 
 
-def _build_attention(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
+def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
+    """Every replacement the policies of the ``broken`` fixes need, by target (diffusers' objects: ``shipped``)."""
     ops = {**cudnn.build(shipped, broken), **flash.build(shipped, broken)}
     return {**ops, **ulysses.build(shipped, broken, ops), **ring.build(shipped, broken, ops)}
-
-
-POLICIES = cudnn.POLICIES | flash.POLICIES | ulysses.POLICIES | ring.POLICIES
-GROUPS = (SimpleNamespace(POLICIES=POLICIES, build=_build_attention),)

@@ -32,7 +32,6 @@ from ..fixes.cudnn_masked_row_grads import without_masked_rows
 
 FORWARD_POLICIES = frozenset({"cudnn_forward_lse", "cudnn_input_dtypes", "cudnn_bool_mask"})
 BACKWARD_POLICIES = frozenset({"cudnn_backward_kv", "cudnn_masked_row_grads"})
-POLICIES = FORWARD_POLICIES | BACKWARD_POLICIES
 
 
 def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:

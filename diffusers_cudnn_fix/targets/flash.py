@@ -21,7 +21,6 @@ from ..fixes import FLASH_BACKEND, FLASH_BACKWARD, FLASH_FORWARD
 from ..fixes.flash_backward_kv import corrected_backward
 from ..fixes.flash_cp_ignored import refuse_context_parallel, refuses_return_lse
 
-POLICIES = frozenset({"flash_input_alignment", "flash_backward_kv", "flash_cp_ignored"})
 #: ``enable_gqa``'s position among the forward op's arguments after q, k, v (mask, dropout, causal, scale, gqa).
 _GQA_AFTER_V = 4
 

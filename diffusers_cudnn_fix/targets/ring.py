@@ -29,7 +29,6 @@ if torch.distributed.is_available():
 else:  # a torch without distributed support never reaches ring attention
     funcol = None  # type: ignore[assignment]
 
-POLICIES = frozenset({"ring_grad_route"})
 #: The inputs ``apply`` takes (every parameter but ``ctx``): the backward returns one gradient for each.
 INPUTS = len(RING_FORWARD_PARAMS) - 1
 #: Where the corrected forward leaves what the corrected backward needs, on the autograd context.

@@ -28,7 +28,6 @@ from ..fixes.ulysses_mask_grad import refuse_mask_grad
 
 FORWARD_POLICIES = frozenset({"qwen_joint_mask_order", "ulysses_mask_grad", "cudnn_bool_mask"})
 ANYTHING_POLICIES = frozenset({"qwen_joint_mask_order", "cudnn_bool_mask"})
-POLICIES = FORWARD_POLICIES | {"ulysses_grad_count"}
 #: Positions among the forward's arguments after the mask: ``enable_gqa``, ``forward_op``, ``_parallel_config``.
 _GQA_AFTER_MASK = 3
 _FORWARD_OP_AFTER_MASK = 5

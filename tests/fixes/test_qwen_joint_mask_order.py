@@ -191,7 +191,8 @@ out = {
 }
 # The same mask object twice: the reorder is kept (one object for every layer, which the conversion caches).
 import diffusers_cudnn_fix.fixes.qwen_joint_mask_order as again
-out["reused"] = again._reordered(padded, (4, 4, 2)) is again._reordered(padded, (4, 4, 2))
+reorder = lambda: again.remembered(again._reorder, padded, (4, 4, 2))  # as in_kv_order calls it
+out["reused"] = reorder() is reorder()
 out["status"] = {f.id: [f.detected, f.applied, f.reason] for f in diffusers_cudnn_fix.status().fixes}[FIX_ID]
 out["kind"] = {f.id: f.kind for f in ALL_FIXES}[FIX_ID]
 print(json.dumps(out))
