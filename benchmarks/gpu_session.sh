@@ -174,8 +174,9 @@ upstream)
         >"$OUT/upstream.log" 2>&1
     SHIPPED=$PWD/.cache/diffusers/0.42.1
     printf '[pytest]\naddopts = -p no:cacheprovider -rs\n' >/tmp/upstream-pytest.ini
+    # One background job per fix (each writes its own logs and copy): the fixes run side by side.
     for fix in cudnn_bool_mask flash_input_alignment cudnn_input_dtypes cudnn_masked_row_grads ring_grad_route \
-        ulysses_mask_grad; do
+        ulysses_mask_grad; do (
         site=/tmp/upstream-site-$fix
         rm -rf "$site" && mkdir -p "$site" && cp -r "$SHIPPED/diffusers" "$site/"
         if command -v patch >/dev/null; then patch -s -d "$site" -p1 <"upstream/$fix/fix.patch"; else
@@ -194,10 +195,11 @@ upstream)
                 python3 -m pytest -q -c /tmp/upstream-pytest.ini --rootdir /tmp "upstream/$fix/test_$fix.py" \
                 >>"$log" 2>&1
         done
-    done
+    ) & done
     step "upstream cudnn_masked_row_grads: kernel reproducer (PyTorch only)" 120 \
         python3 upstream/cudnn_masked_row_grads/reproduce.py >"$OUT/cudnn_masked_row_grads-kernel.log" 2>&1
-    grep '^upstream' "$OUT/gpu-session.log" >>"$OUT/upstream.log"
+    wait
+    grep '^upstream' "$OUT/gpu-session.log" | sort -s -k2,2 >>"$OUT/upstream.log"
     cat "$OUT/upstream.log"
     ;;
 references)

@@ -18,6 +18,7 @@ Exit status: 1 when a misaligned tensor reaches the kernel (the bug), 0 when the
 
 import argparse
 import sys
+from math import inf
 
 import torch
 import torch.nn.functional as F
@@ -110,7 +111,7 @@ def main():
         return 1
     names = ("out", "dq", "dk", "dv")
     pairs = zip(names, (out, *grads), (ref, *ref_grads), strict=True)
-    errors = {n: (a.float() - b).abs().max().item() for n, a, b in pairs}
+    errors = {n: (a.float() - b).abs().max().nan_to_num(nan=inf).item() for n, a, b in pairs}
     print("  max abs error vs fp32 SDPA: " + ", ".join(f"{n} {e:.4f}" for n, e in errors.items()))
     if max(errors.values()) > TOLERANCE:
         print(f"BUG: wrong results (tolerance {TOLERANCE})")

@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import warnings
+from math import inf
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,7 @@ def _worker(rank, world_size, port, results):
             dist.all_reduce(mask.grad)  # each rank holds its own queries' share
         results[rank] = {
             "reference": ref_bias.grad.abs().max().item(),
-            "grad": None if mask.grad is None else (mask.grad - ref_bias.grad).abs().max().item(),
+            "grad": None if mask.grad is None else (mask.grad - ref_bias.grad).abs().max().nan_to_num(nan=inf).item(),
         }
     except Exception as exc:  # noqa: BLE001 - reported by the parent
         results[rank] = {"error": f"{type(exc).__name__}: {exc}"}
