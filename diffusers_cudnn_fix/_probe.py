@@ -27,6 +27,7 @@ the user's GPU, torch and cuDNN build:
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -55,8 +56,9 @@ _lock = threading.Lock()  # one probe at a time; the automatic trigger never wai
 
 
 def within_rule(error: float, reference_error: float) -> bool:
-    """The pass rule for one tensor: at most 5x the bf16 eager reference's error, plus 1e-3 (NaN fails)."""
-    return error <= REFERENCE_FACTOR * reference_error + ABSOLUTE_SLACK
+    """The pass rule for one tensor: at most 5x the bf16 eager reference's error, plus 1e-3. NaN fails, and so
+    does any error where the reference's own is not finite (an infinite allowance would pass anything)."""
+    return math.isfinite(reference_error) and error <= REFERENCE_FACTOR * reference_error + ABSOLUTE_SLACK
 
 
 def table(result: ProbeResult) -> str:

@@ -507,10 +507,12 @@ def compare(torch: Any, got: dict[str, Any], ref: dict[str, Any], floor_run: Any
     per_param: list[dict[str, Any]] = []
     for label, names in [("output", []), *groups.items()]:
         err, floor = error(got, names), (None if floor_run is None else error(floor_run, names))
-        # fp32 has no low-precision run to measure a floor with: the fixed least tolerance alone.
-        tolerance = max(FLOOR_FACTOR * (floor or 0.0), MIN_TOLERANCE[dtype])
+        # fp32 has no low-precision run to measure a floor with: the fixed least tolerance alone. Nor does a
+        # floor run that went NaN or inf: an infinite floor would make any error, NaN included, acceptable.
+        usable_floor = floor if floor is not None and math.isfinite(floor) else 0.0
+        tolerance = max(FLOOR_FACTOR * usable_floor, MIN_TOLERANCE[dtype])
         row = {"group": label, "params": len(names), "error": err, "floor": floor, "tolerance": tolerance}
-        rows.append({**row, "ok": err <= tolerance})
+        rows.append({**row, "ok": math.isfinite(err) and err <= tolerance})
         for name in names:
             e = rel_error(torch, got["grads"][name], ref["grads"][name])
             per_param.append({"param": name, "error": e, "tolerance": tolerance, "ratio": e / tolerance})

@@ -92,9 +92,7 @@ def ulysses_nccl() -> dict[str, Any]:
                 "errors": errors,
                 "ref_errors": ref_errors,
                 "magnitudes": {n: golden[n].abs().max().item() for n in NAMES},
-                "passed": all(
-                    errors[n] <= probe.REFERENCE_FACTOR * ref_errors[n] + probe.ABSOLUTE_SLACK for n in NAMES
-                ),
+                "passed": all(probe.within_rule(errors[n], ref_errors[n]) for n in NAMES),
             }
         except Exception as exc:
             results[case[0]] = {"raised": f"{type(exc).__name__}: {str(exc)[:200]}"}

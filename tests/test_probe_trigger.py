@@ -95,3 +95,19 @@ def test_what_the_trigger_calls_is_loaded_before_any_op_runs() -> None:
         "print(json.dumps({'new': sorted(m for m in set(sys.modules) - before if 'diffusers_cudnn_fix' in m)}))\n"
     )
     assert run(release_dir("0.39.0"), script)["new"] == []
+
+
+@pytest.mark.parametrize(
+    ("error", "reference_error", "passes"),
+    [
+        (0.01, 0.01, True),  # within 5x the bf16 reference's error
+        (0.2, 0.01, False),  # beyond it
+        (float("nan"), 0.01, False),  # the kernel's result is NaN
+        (0.01, float("inf"), False),  # the reference overflowed: no allowance to judge by
+        (0.01, float("nan"), False),
+    ],
+)
+def test_the_probe_rule_fails_nan_and_a_reference_that_is_not_finite(
+    error: float, reference_error: float, passes: bool
+) -> None:
+    assert _probe.within_rule(error, reference_error) is passes

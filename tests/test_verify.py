@@ -187,3 +187,23 @@ def test_usage_errors_exit_64_before_any_rank_starts(args: tuple[str, ...], says
     code, out, err, _ = verify(None, *args, timeout=60)
     assert code == 64, f"{out}\n{err}"
     assert says in err and "verify [1/6]" not in err
+
+
+@pytest.mark.parametrize("floor_too", [True, False], ids=["floor-run-also-nan", "floor-run-finite"])
+def test_a_nan_gradient_is_a_mismatch_whatever_the_floor_run_gave(floor_too: bool) -> None:
+    """A NaN in the context-parallel run's gradients is never within tolerance, also when the one-process
+    low-precision run (the noise floor) went NaN too: an infinite floor must not make every error acceptable."""
+    import torch
+
+    from diffusers_cudnn_fix import _verify
+
+    def run(value: float) -> dict[str, object]:
+        grads = {"transformer_blocks.0.attn.to_q.weight": torch.full((4,), value)}
+        return {"out": torch.full((4,), value), "grads": grads, "loss": value, "backend": "native"}
+
+    reference, broken = run(1.0), run(float("nan"))
+    result = _verify.compare(torch, broken, reference, broken if floor_too else run(1.001), "bfloat16")
+    assert result["verdict"] == "mismatch"
+    assert not any(row["ok"] for row in result["rows"])
+    # A right run beside a broken floor run is judged against the least tolerance, not waved through or failed.
+    assert _verify.compare(torch, run(1.0), reference, broken, "bfloat16")["verdict"] == "pass"
