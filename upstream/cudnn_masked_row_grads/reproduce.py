@@ -17,6 +17,7 @@ case is right, 3 when there is no such GPU (nothing checked).
 """
 
 import argparse
+import itertools
 import sys
 import types
 
@@ -53,11 +54,20 @@ def _raw_ops(q, k, v, bias, grad_out):
     return [out, *grads]
 
 
-def _poison():
-    """Fill the memory the caching allocator hands out next with NaN. Without this, the backward's wrong values
-    for fully masked rows can come out right by luck (memory an earlier correct run left behind): the fault
-    showed on an H200 only with freed memory poisoned first."""
-    junk = torch.empty(64 << 20, dtype=torch.float32, device="cuda").fill_(float("nan"))
+#: What the memory the kernels are handed holds beforehand: each case runs once per fill. The fault depends on it:
+#: the probe that found it left finite values behind (its own eager reference runs), while this file's first
+#: version, which filled with NaN only, saw right gradients.
+FILLS = ("nan", "noise")
+
+
+def _fill_freed_memory(fill):
+    """Fill the memory the caching allocator hands out next with NaN or with random finite values, so that
+    neither a correct earlier run's leftovers nor one kind of garbage decides the outcome."""
+    junk = torch.empty(64 << 20, dtype=torch.float32, device="cuda")
+    if fill == "nan":
+        junk.fill_(float("nan"))
+    else:
+        junk.normal_()
     del junk
 
 
@@ -115,13 +125,13 @@ def main():
         bias = torch.zeros(B, 1, s_q, 1, device="cuda", dtype=dtype)
         bias[:, :, s_q // 2] = float("-inf")  # the middle query row sees no key
         ref = _reference(q, k, v, bias, grad_out)
-        for label, run in paths.items():
+        for (label, run), fill in itertools.product(paths.items(), FILLS):
+            where = f"{label:26} {fill:5} B={B} H={H} D={D:3} {dtype!s:14} S_q={s_q:2}"
             try:
-                _poison()
+                _fill_freed_memory(fill)
                 got = run(q, k, v, bias, grad_out)
             except RuntimeError as exc:
-                first_line = str(exc).splitlines()[0][:80]
-                print(f"  {label:26} B={B} H={H} D={D:3} {dtype!s:14} S_q={s_q:2}: not run ({first_line})")
+                print(f"  {where}: not run ({str(exc).splitlines()[0][:80]})")
                 continue
             rel = [
                 ((a.float() - b).abs().max() / b.abs().max().clamp_min(1.0)).item()
@@ -130,7 +140,7 @@ def main():
             bad = not all(e <= TOLERANCE for e in rel[1:])  # a NaN error (memory never written) is wrong too
             wrong += bad
             text = ", ".join(f"{n} {e:.3f}" for n, e in zip(("out", "dQ", "dK", "dV"), rel, strict=True))
-            print(f"  {label:26} B={B} H={H} D={D:3} {dtype!s:14} S_q={s_q:2}: error {text}{'  WRONG' if bad else ''}")
+            print(f"  {where}: error {text}{'  WRONG' if bad else ''}")
     if wrong:
         print(f"BUG: {wrong} case(s) with wrong gradients for fully masked rows (tolerance {TOLERANCE})")
         return 1
