@@ -40,6 +40,8 @@ from typing import Any, NoReturn
 from . import revert, status
 
 EXIT_PASS, EXIT_MISMATCH, EXIT_CANNOT_RUN = 0, 1, 2
+#: The row of the parameters the loss does not reach in one process (their true gradient is 0).
+UNREACHED = "not reached in one process"
 
 #: Factor over the measured noise floor (PyTorch's fused-attention tests allow 5 x the low-precision
 #: reference's error; docs/verify.md, "Tolerance").
@@ -455,7 +457,20 @@ def _cp_step(torch: Any, dist: Any, built: tuple[Any, dict[str, Any], Any], args
             model.enable_gradient_checkpointing()
         return torch.compile(model) if args.compile else model
 
-    model, run = _forward_backward(torch, built, getattr(torch, args.dtype), args.backend, parallelise)
+    try:
+        model, run = _forward_backward(torch, built, getattr(torch, args.dtype), args.backend, parallelise)
+    except RuntimeError as exc:
+        frames = {frame.name for frame in traceback.extract_tb(exc.__traceback__)}
+        if "_native_attention_backward_op" not in frames or "does not require grad" not in str(exc):
+            raise
+        # Autograd runs a backward with gradient recording off; this op re-runs attention to differentiate it
+        # without turning it back on.
+        raise CannotRun(
+            f"diffusers {diffusers.__version__}'s native backend cannot train under context parallelism: its "
+            "_native_attention_backward_op recomputes attention with autograd off and raises "
+            f"(RuntimeError: {exc}). Run verify on a GPU (default backend _native_cudnn), or on a CPU with "
+            "diffusers >= 0.38, where diffusers fixed it."
+        ) from exc
     params = list(model.named_parameters())
     # A parameter this rank's shard does not reach adds 0 to the sum.
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).float().reshape(-1) for _, p in params])
@@ -492,7 +507,10 @@ def rel_error(torch: Any, got: Any, ref: Any) -> float:
 def compare(torch: Any, got: dict[str, Any], ref: dict[str, Any], floor_run: Any, dtype: str) -> dict[str, Any]:
     """Per row (the output, then each parameter group): relative error against the fp32 reference ``ref``, noise
     floor (``floor_run``'s error; None for fp32), tolerance, verdict; the worst parameters; the exit status.
-    Parameters the loss does not reach in the reference are left out (``unreached``)."""
+    Parameters the loss does not reach in the reference (``unreached``) have a true gradient of 0: their own
+    row wants exactly 0."""
+    unreached = [name for name in got["grads"] if name not in ref["grads"]]
+    ref = {**ref, "grads": {**ref["grads"], **{n: torch.zeros_like(got["grads"][n]) for n in unreached}}}
 
     def error(run: dict[str, Any], names: list[str]) -> float:
         if not names:
@@ -501,21 +519,22 @@ def compare(torch: Any, got: dict[str, Any], ref: dict[str, Any], floor_run: Any
 
     groups: dict[str, list[str]] = {}
     for name in got["grads"]:
-        if name in ref["grads"]:
+        if name not in unreached:
             groups.setdefault(group_of(name), []).append(name)
     rows: list[dict[str, Any]] = []
     per_param: list[dict[str, Any]] = []
-    for label, names in [("output", []), *groups.items()]:
-        err, floor = error(got, names), (None if floor_run is None else error(floor_run, names))
+    for label, names in [("output", []), *groups.items(), *([(UNREACHED, unreached)] if unreached else [])]:
+        err, floor = error(got, names), (None if floor_run is None or label == UNREACHED else error(floor_run, names))
         # fp32 has no low-precision run to measure a floor with: the fixed least tolerance alone. Nor does a
         # floor run that went NaN or inf: an infinite floor would make any error, NaN included, acceptable.
         usable_floor = floor if floor is not None and math.isfinite(floor) else 0.0
-        tolerance = max(FLOOR_FACTOR * usable_floor, MIN_TOLERANCE[dtype])
+        tolerance = 0.0 if label == UNREACHED else max(FLOOR_FACTOR * usable_floor, MIN_TOLERANCE[dtype])
         row = {"group": label, "params": len(names), "error": err, "floor": floor, "tolerance": tolerance}
         rows.append({**row, "ok": math.isfinite(err) and err <= tolerance})
         for name in names:
             e = rel_error(torch, got["grads"][name], ref["grads"][name])
-            per_param.append({"param": name, "error": e, "tolerance": tolerance, "ratio": e / tolerance})
+            ratio = e / tolerance if tolerance else (0.0 if e == 0 else math.inf)
+            per_param.append({"param": name, "error": e, "tolerance": tolerance, "ratio": ratio})
     ok, loss, ref_loss = all(row["ok"] for row in rows), got["loss"], ref["loss"]
     return {
         "exit_status": EXIT_PASS if ok else EXIT_MISMATCH,
@@ -524,7 +543,7 @@ def compare(torch: Any, got: dict[str, Any], ref: dict[str, Any], floor_run: Any
         "worst": sorted(per_param, key=lambda p: -p["ratio"])[:3],
         "loss": {"cp": loss, "reference": ref_loss, "rel_error": abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)},
         "reference_backend": ref["backend"],
-        "unreached": [name for name in got["grads"] if name not in ref["grads"]],
+        "unreached": unreached,
         "compared_params": len(per_param),
     }
 
@@ -568,7 +587,7 @@ def render(result: dict[str, Any]) -> str:
     loss = result["loss"]
     lines.append(f"\nloss {loss['cp']:.6g} vs {loss['reference']:.6g} ({_pct(loss['rel_error'])} off)")
     if result["unreached"]:
-        lines.append(f"not compared: {len(result['unreached'])} parameters the loss does not reach in one process")
+        lines.append(f"{UNREACHED}: {len(result['unreached'])} parameters whose gradient must be exactly 0")
     if result["exit_status"] == EXIT_PASS:
         n = result["compared_params"]
         lines.append(f"verdict: PASS (exit status 0): output and {n} parameter gradients within tolerance")

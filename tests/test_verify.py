@@ -131,6 +131,14 @@ def test_042_on_a_cpu_only_torch_says_why_it_cannot_run() -> None:
     assert "torch.accelerator.device_count()" in out and "ZeroDivisionError" in out
 
 
+def test_037_native_backend_says_diffusers_cannot_train_it_under_context_parallelism() -> None:
+    """0.36.x - 0.37.x's native backward op recomputes attention with autograd off and raises: the check cannot
+    run there on a CPU (native is its only CPU backend), and says why, instead of autograd's bare message."""
+    code, out, err, _ = verify("0.37.0", "--nproc", "2")
+    assert code == 2, f"{out}\n{err}"
+    assert "_native_attention_backward_op" in out and "diffusers >= 0.38" in out
+
+
 def test_a_world_of_one_is_refused_with_the_way_out() -> None:
     code, out, err, _ = verify("0.39.0")
     assert code == 2, f"{out}\n{err}"
@@ -207,3 +215,24 @@ def test_a_nan_gradient_is_a_mismatch_whatever_the_floor_run_gave(floor_too: boo
     assert not any(row["ok"] for row in result["rows"])
     # A right run beside a broken floor run is judged against the least tolerance, not waved through or failed.
     assert _verify.compare(torch, run(1.0), reference, broken, "bfloat16")["verdict"] == "pass"
+
+
+@pytest.mark.parametrize("stray", [0.0, 1e-3], ids=["zero", "non-zero"])
+def test_a_parameter_the_reference_does_not_reach_must_get_exactly_zero(stray: float) -> None:
+    """Its true gradient is 0 (the loss does not depend on it): a context-parallel run that gives it any other
+    gradient is wrong, and must not pass because the reference has nothing to compare with."""
+    import torch
+
+    from diffusers_cudnn_fix import _verify
+
+    def run(tail: float | None) -> dict[str, object]:
+        grads = {"transformer_blocks.0.attn.to_q.weight": torch.ones(4)}
+        if tail is not None:  # the text stream's tail of QwenImage's last block: the output never reaches it
+            grads["transformer_blocks.1.txt_mlp.weight"] = torch.full((4,), tail)
+        return {"out": torch.ones(4), "grads": grads, "loss": 1.0, "backend": "native"}
+
+    result = _verify.compare(torch, run(stray), run(None), run(stray), "bfloat16")
+    assert result["unreached"] == ["transformer_blocks.1.txt_mlp.weight"]
+    assert result["verdict"] == ("pass" if stray == 0 else "mismatch")
+    row = result["rows"][-1]
+    assert (row["group"], row["params"], row["ok"]) == (_verify.UNREACHED, 1, stray == 0)
