@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import textwrap
@@ -23,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import __version__, _launcher, _switches, status
-from ._report import TABLE_SAYS, switched_off_by
+from ._report import TABLE_SAYS, json_text, switched_off_by
 from ._warnings import DiffusersCudnnFixWarning
 
 EXIT_OK, EXIT_NOT_SAFE, EXIT_NO_DIFFUSERS, EXIT_UNVERIFIED = 0, 1, 2, 3
@@ -385,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         warnings.formatwarning = stock
     try:
-        print(json.dumps(data, default=str)) if args.json else _print_human(data, verbose=args.verbose)
+        print(json_text(data)) if args.json else _print_human(data, verbose=args.verbose)
         sys.stdout.flush()
     except BrokenPipeError:  # `diffusers-cudnn-fix | head`: the reader left; no traceback, same status
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python flushes stdout again at exit

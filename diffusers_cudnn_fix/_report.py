@@ -18,6 +18,25 @@ ReasonCode = Literal[
 ]  # fmt: skip
 
 
+def json_text(data: Any) -> str:
+    """``data`` as strict JSON for the command line's ``--json``: a float that is not finite (an error that is
+    NaN or infinite, as a mismatch can give) becomes the string "nan", "inf" or "-inf". ``json.dumps`` alone
+    writes the bare words NaN and Infinity, which strict parsers (jq, JavaScript) reject."""
+    import json  # the command line's only: the package's import does not load it
+    import math
+
+    def strict(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return str(value)
+        if isinstance(value, dict):
+            return {key: strict(item) for key, item in value.items()}
+        if isinstance(value, list | tuple):
+            return [strict(item) for item in value]
+        return value
+
+    return json.dumps(strict(data), default=str, allow_nan=False)
+
+
 def switched_off_by() -> str:
     """The master switch as the user spelled it (``DIFFUSERS_CUDNN_FIX='OFF'``), for messages that quote it."""
     return f"{ENABLE_VAR}={raw_enable_value()!r}"

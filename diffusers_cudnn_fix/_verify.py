@@ -24,7 +24,6 @@ import copy
 import datetime
 import importlib
 import inspect
-import json
 import math
 import os
 import signal
@@ -38,6 +37,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from . import revert, status
+from ._report import json_text
 
 EXIT_PASS, EXIT_MISMATCH, EXIT_CANNOT_RUN = 0, 1, 2
 #: The row of the parameters the loss does not reach in one process (their true gradient is 0).
@@ -217,7 +217,7 @@ def _rank_ended(rank: int, status: int | None) -> str:
 def _could_not_run(as_json: bool, reason: str) -> None:
     """Rank 0's verdict (or the launcher's, where rank 0 printed none) when verify could not run."""
     found = {"exit_status": EXIT_CANNOT_RUN, "verdict": "could not run", "reason": reason}
-    print(json.dumps(found) if as_json else f"verdict: COULD NOT RUN (exit status {EXIT_CANNOT_RUN}): {reason}")
+    print(json_text(found) if as_json else f"verdict: COULD NOT RUN (exit status {EXIT_CANNOT_RUN}): {reason}")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -285,7 +285,7 @@ def _run_rank(args: argparse.Namespace) -> NoReturn:
         if rank == 0:
             _could_not_run(args.json, reason)
         _exit(EXIT_CANNOT_RUN)
-    print(json.dumps(result, default=str) if args.json else render(result), flush=True)
+    print(json_text(result) if args.json else render(result), flush=True)
     _exit(result["exit_status"])
 
 

@@ -60,7 +60,12 @@ def result(stdout: str) -> dict:
     """Rank 0's JSON object (the last line of stdout)."""
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     assert lines, f"no JSON object in:\n{stdout}"
-    return json.loads(lines[-1])
+    return json.loads(lines[-1], parse_constant=refuse_non_standard_json)
+
+
+def refuse_non_standard_json(word: str) -> float:
+    """json.loads's hook for NaN / Infinity, which strict JSON parsers (jq, JavaScript) reject."""
+    raise AssertionError(f"--json printed {word}, which is not JSON")
 
 
 def passed(version: str, *args: str) -> dict:
@@ -236,3 +241,20 @@ def test_a_parameter_the_reference_does_not_reach_must_get_exactly_zero(stray: f
     assert result["verdict"] == ("pass" if stray == 0 else "mismatch")
     row = result["rows"][-1]
     assert (row["group"], row["params"], row["ok"]) == (_verify.UNREACHED, 1, stray == 0)
+
+
+def test_json_of_a_nan_mismatch_is_strict_json() -> None:
+    """--json on a run whose gradients are NaN: every parser reads it, and the errors say "inf"."""
+    import torch
+
+    from diffusers_cudnn_fix import _report, _verify
+
+    def run(value: float) -> dict[str, object]:
+        grads = {"transformer_blocks.0.attn.to_q.weight": torch.full((4,), value)}
+        return {"out": torch.full((4,), value), "grads": grads, "loss": value, "backend": "native"}
+
+    found = _verify.compare(torch, run(float("nan")), run(1.0), run(1.0), "bfloat16")
+    parsed = json.loads(_report.json_text(found), parse_constant=refuse_non_standard_json)
+    assert parsed["verdict"] == "mismatch"
+    assert [row["error"] for row in parsed["rows"]] == ["inf", "inf"]
+    assert parsed["loss"]["cp"] == "nan"
