@@ -463,8 +463,6 @@ def _cp_step(torch: Any, dist: Any, built: tuple[Any, dict[str, Any], Any], args
         frames = {frame.name for frame in traceback.extract_tb(exc.__traceback__)}
         if "_native_attention_backward_op" not in frames or "does not require grad" not in str(exc):
             raise
-        # Autograd runs a backward with gradient recording off; this op re-runs attention to differentiate it
-        # without turning it back on.
         raise CannotRun(
             f"diffusers {diffusers.__version__}'s native backend cannot train under context parallelism: its "
             "_native_attention_backward_op recomputes attention with autograd off and raises "
