@@ -258,3 +258,54 @@ def test_json_of_a_nan_mismatch_is_strict_json() -> None:
     assert parsed["verdict"] == "mismatch"
     assert [row["error"] for row in parsed["rows"]] == ["inf", "inf"]
     assert parsed["loss"]["cp"] == "nan"
+
+
+def test_compare_search_no_nan_inf_or_stray_gradient_passes_and_an_exact_run_always_does() -> None:
+    """A hypothesis search over compare()'s inputs: gradient groups, parameters the reference does not reach,
+    the checked dtype, and non-finite values in the run, the floor run or both. An exact copy of the reference
+    passes whatever the floor run holds; a NaN or infinity in the run, or a non-zero gradient where the
+    reference has none, never passes."""
+    import math
+
+    import torch
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from diffusers_cudnn_fix import _verify
+
+    values = st.lists(st.floats(-100, 100, allow_nan=False, width=32), min_size=1, max_size=5)
+    special = st.sampled_from([math.nan, math.inf, -math.inf])
+
+    @settings(derandomize=True, max_examples=300, deadline=None, database=None)
+    @given(data=st.data())
+    def search(data: st.DataObject) -> None:
+        count = data.draw(st.integers(1, 5), label="parameters")
+        names = [f"transformer_blocks.{data.draw(st.integers(0, 2))}.attn.p{i}" for i in range(count)]
+        unreached = {n for n in names if data.draw(st.booleans(), label=f"{n} unreached")}
+        ref_grads = {n: torch.tensor(data.draw(values, label=n)) for n in names if n not in unreached}
+        out = torch.tensor(data.draw(values, label="out"))
+        ref = {"out": out, "grads": ref_grads, "loss": 1.0, "backend": "_native_math"}
+        exact = {n: ref_grads.get(n, torch.zeros(3)).clone() for n in names}
+        got = {"out": out.clone(), "grads": exact, "loss": 1.0}
+        # The run: exact, or one value made non-finite, or a stray gradient where the reference has none.
+        change = data.draw(st.sampled_from(["exact", "non-finite", "stray"]), label="run")
+        if change == "stray" and not unreached:
+            change = "exact"
+        if change == "non-finite":
+            target = data.draw(st.sampled_from(["out", *names]), label="where")
+            tensor = got["out"] if target == "out" else got["grads"][target]
+            tensor[data.draw(st.integers(0, tensor.numel() - 1))] = data.draw(special)
+        elif change == "stray":
+            target = data.draw(st.sampled_from(sorted(unreached)), label="where")
+            got["grads"][target][0] = data.draw(st.floats(1e-30, 1e3) | st.floats(-1e3, -1e-30))
+        floor_kind = data.draw(st.sampled_from(["same", "noisy", "non-finite"]), label="floor run")
+        floor = {"out": out.clone(), "grads": {n: g.clone() for n, g in exact.items()}, "loss": 1.0}
+        if floor_kind != "same":
+            for tensor in [floor["out"], *floor["grads"].values()]:
+                tensor[0] = data.draw(special) if floor_kind == "non-finite" else tensor[0] * 1.5 + 1
+        dtype = data.draw(st.sampled_from(["bfloat16", "float16", "float32"]))
+        found = _verify.compare(torch, got, ref, None if dtype == "float32" else floor, dtype)
+        assert found["verdict"] == ("pass" if change == "exact" else "mismatch"), found["rows"]
+        assert sorted(found["unreached"]) == sorted(unreached)
+
+    search()
