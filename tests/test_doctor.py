@@ -37,6 +37,16 @@ EXIT_USAGE = 64
 #: The tests reading the one 0.39.0 interpreter's results run on one pytest-xdist worker (.ci/run's -n auto).
 SHARES_0_39_0 = pytest.mark.xdist_group("test_doctor-0.39.0")
 
+
+def strict_json(text: str) -> object:
+    """The doctor's --json, parsed as strict JSON (no NaN / Infinity words, which jq rejects)."""
+
+    def refuse(word: str) -> object:
+        raise AssertionError(f"--json printed {word}, which is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
 DOCTOR = """
 import contextlib, io, json
 from diffusers_cudnn_fix import __main__ as doctor
@@ -164,10 +174,10 @@ def test_the_next_step_comes_first_where_fixes_are_needed() -> None:
     assert "diffusers-cudnn-fix run --" in first, text
     assert "own process only" in first, text  # "applied: yes" is about the doctor's process, not training
     assert "can be removed" not in text.lower()
-    data = json.loads(result["json"]["text"])
+    data = strict_json(result["json"]["text"])
     assert data["nothing_to_fix"] is False and data["no_gradient_correction_needed"] is False
     for named in ("subcommand", "before_subcommand"):
-        same = json.loads(result[named]["text"])
+        same = strict_json(result[named]["text"])
         assert (same["status"], same["exit_status"]) == (data["status"], data["exit_status"]), named
 
 
@@ -175,7 +185,7 @@ def test_the_next_step_comes_first_where_fixes_are_needed() -> None:
 def test_titles_not_evidence_and_aligned_columns() -> None:
     result = doctor("0.39.0")
     text, verbose = result["text"]["text"], result["verbose"]["text"]
-    data = json.loads(result["json"]["text"])
+    data = strict_json(result["json"]["text"])
     for fix in data["status"]["fixes"]:
         assert _words(fix["title"]) in _words(text), fix["title"]
     # The check's evidence (tensor shapes of the behavioural check) only with --verbose.
@@ -193,7 +203,7 @@ def test_on_a_guards_only_release_it_says_first_what_it_still_guards() -> None:
     QwenImage prompts train 103% off without the package): the first sentence says what the package still
     guards and when removing it is safe, not "Can be removed"."""
     result = doctor("0.42.1")
-    data = json.loads(result["json"]["text"])
+    data = strict_json(result["json"]["text"])
     assert data["no_gradient_correction_needed"] is True and "cudnn_bool_mask" in data["active_guards"], data
     text = result["text"]["text"]
     assert "can be removed" not in text.lower(), text
@@ -217,7 +227,7 @@ def test_without_a_gpu_the_doctor_did_what_it_could_and_says_so() -> None:
     verdict says it is not verified on a GPU; `--require-gpu` (CI on GPU hosts) exits 3 there. Where there is a
     GPU, the probe skipped by `--no-gpu` is exit status 3 either way."""
     result = doctor("0.39.0")
-    data = json.loads(result["json"]["text"])
+    data = strict_json(result["json"]["text"])
     assert data["status"]["ok"] is True and data["nothing_to_fix"] is False, data
     assert result["strict"]["code"] == 3, result["strict"]["text"]
     assert "not verified on a GPU" in result["strict"]["text"], result["strict"]["text"]
@@ -235,12 +245,12 @@ def test_the_doctor_names_the_package_version() -> None:
     from diffusers_cudnn_fix import __version__
 
     result = doctor("0.39.0")
-    data = json.loads(result["json"]["text"])
+    data = strict_json(result["json"]["text"])
     assert data["version"] == __version__
     lines = result["text"]["text"].splitlines()
     versions_line = next(line for line in lines if line.startswith("diffusers_cudnn_fix "))
     assert versions_line.startswith(f"diffusers_cudnn_fix {__version__}, diffusers 0.39.0, torch "), versions_line
-    probed = json.loads(result["json_probe"]["text"])
+    probed = strict_json(result["json_probe"]["text"])
     if probed["probe"]["state"] == "skipped":  # no GPU here: no table (not a header without rows)
         assert probed["probe_table"] is None, probed["probe_table"]
     else:
@@ -349,7 +359,7 @@ def test_where_a_bug_is_open_the_doctor_points_at_its_upstream_folder() -> None:
     from diffusers_cudnn_fix.fixes import ALL_FIXES
 
     result = doctor("0.42.1")
-    data, text = json.loads(result["json"]["text"]), result["text"]["text"]
+    data, text = strict_json(result["json"]["text"]), result["text"]["text"]
     assert "upstream/cudnn_bool_mask/ISSUE.md in this package's source tree" in text, text
     assert "huggingface/diffusers#14342" in _words(text), text
     with_folder = {fix.id for fix in ALL_FIXES if fix.upstream_issue is not None}
@@ -364,7 +374,7 @@ def test_where_a_bug_is_open_the_doctor_points_at_its_upstream_folder() -> None:
     assert_aligned(_fix_table(text))
     # 0.39.0: the ring's bug there is fixed upstream (0.40.0), so its folder (for 0.40+'s bug) is not pointed at.
     on_039 = doctor("0.39.0")
-    data = json.loads(on_039["json"]["text"])
+    data = strict_json(on_039["json"]["text"])
     assert "ring_grad_route" not in data["upstream"] and "upstream: None" not in on_039["text"]["text"], data[
         "upstream"
     ]
