@@ -29,8 +29,8 @@ import torch.nn.functional as F
 # Correct bf16 results are about 1e-2 off; the fault gives errors of 1 to 30 (H200).
 TOLERANCE = 0.05
 #: (B, H, D): the first two are shapes where benchmarks' probe of the bare kernels found the fault on an H200
-#: (bf16, S_q 2 and 7, one fully masked row: every case wrong, errors up to 33); the third is where this file's
-#: first version found none.
+#: (bf16, S_q 2 and 7, one fully masked row: every case wrong, errors up to 33); the third is the shape of this file's
+#: first version, which masked every other row and found none. With one masked row it shows the fault too (H100).
 SHAPES = ((2, 1, 32), (2, 1, 128), (1, 2, 64))
 
 
@@ -54,9 +54,8 @@ def _raw_ops(q, k, v, bias, grad_out):
     return [out, *grads]
 
 
-#: What the memory the kernels are handed holds beforehand: each case runs once per fill. The fault depends on it:
-#: the probe that found it left finite values behind (its own eager reference runs), while this file's first
-#: version, which filled with NaN only, saw right gradients.
+#: What the memory the kernels are handed holds beforehand: each case runs once per fill, so that a wrong answer
+#: cannot be hidden by an earlier right one left in memory. On an H100 both fills gave the same errors.
 FILLS = ("nan", "noise")
 
 

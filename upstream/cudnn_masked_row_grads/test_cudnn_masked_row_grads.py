@@ -66,13 +66,14 @@ def test_cudnn_cp_backward_leaves_grad_out_alone_with_several_keys():
 @pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.backends.cudnn.is_available()), reason="needs a CUDA device with cuDNN"
 )
-@pytest.mark.parametrize("s_q", [2, 4, 7])
+@pytest.mark.parametrize("s_q", [2, 7])
 def test_cudnn_cp_ops_fully_masked_rows_match_reference(s_q):
     torch.manual_seed(0)
     query, grad_out = (torch.randn(2, s_q, 1, 32, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     key, value = (torch.randn(2, 1, 1, 32, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     mask = torch.zeros(2, 1, s_q, 1, device="cuda", dtype=torch.bfloat16)
-    mask[:, :, ::2] = float("-inf")
+    # One masked row in the middle: the kernel's fault was seen with this pattern at S_q 2 and 7, in bf16.
+    mask[:, :, s_q // 2] = float("-inf")
 
     class CPAttention(torch.autograd.Function):
         @staticmethod
