@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import __version__, _launcher, _switches, status
+from ._advice import decide
 from ._report import TABLE_SAYS, json_text, switched_off_by
 from ._warnings import DiffusersCudnnFixWarning
 
@@ -67,14 +68,6 @@ covered: Python started with -S, -I or -E, and children whose environment drops 
 _VERDICTS = {EXIT_OK: "OK", EXIT_NOT_SAFE: "NOT SAFE", EXIT_UNVERIFIED: "OK on the check, not verified on a GPU"}
 #: The verdict where everything needed is active and this machine has no GPU to verify it on (exit status 0).
 NO_GPU_VERDICT = "OK on the check; not verified on a GPU: no GPU here"
-
-#: What each guard (and a correction that matters only to some runs) matters to, in the words of a training run:
-#: the doctor's conditions for removing the package on a release that needs no other correction (a fix not
-#: listed here is named by its title, or its ``only_for``).
-GUARDED_CASES = dict.fromkeys(("cudnn_bool_mask", "ulysses_mask_grad", "cudnn_masked_row_grads"), "attention masks")
-GUARDED_CASES["cudnn_input_dtypes"] = "fp32 or mixed-dtype q/k/v"
-GUARDED_CASES["flash_input_alignment"] = "native flash with one head or token per rank"
-GUARDED_CASES["ring_grad_route"] = "ring attention from ring degree 3 or with dropout"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -124,7 +117,9 @@ def _command_line() -> tuple[_Parser, _Parser]:
     run = commands.add_parser("run", help=what, usage=usage, description=RUN_DESCRIPTION, epilog=RUN_EXIT_STATUSES)
     what = "check context-parallel training on this set-up (docs/verify.md; verify --help)"
     verify = commands.add_parser("verify", help=what, add_help=False)
-    for forwarding in (run, verify):
+    what = "print a section of the docs, or the report of a bug open upstream, from the installed package"
+    explain = commands.add_parser("explain", help=f"{what} (explain --help)", add_help=False)
+    for forwarding in (run, verify, explain):
         forwarding.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser, run
 
@@ -200,14 +195,15 @@ def collect(run_gpu: bool = True, require_gpu: bool = False) -> tuple[dict[str, 
     unchecked = ("disabled", "unchecked", "pending")
     shipped = {f.id: live[f.id]["state"] if f.detected in unchecked else f.detected for f in report.fixes}
     data["shipped_check"] = shipped
-    data.update(_registry.advice(shipped, [f.id for f in report.fixes if f.applied]))
-    # Per fix found broken that has an upstream folder (in the source tree: the wheel does not carry it).
+    data.update(decide(shipped, report.diffusers_version).to_dict())
+    data["applied"] = [f.id for f in report.fixes if f.applied]
+    # Per fix found broken that has an upstream report (shipped in the package: ``explain`` prints it).
     data["upstream"] = {
-        fix.id: {"issue": fix.upstream_folder, "holds": fix.upstream_issue}
+        fix.id: {"issue": fix.upstream_folder, "command": fix.upstream_command, "holds": fix.upstream_issue}
         for fix in ALL_FIXES
         if fix.upstream_folder is not None and shipped.get(fix.id) == "broken"
     }
-    verified = data["nothing_to_fix"] or "shipped_vs_corrected" in data  # nothing to verify, or verified on a GPU
+    verified = data["advice"] == "remove" or "shipped_vs_corrected" in data  # nothing to verify, or verified on a GPU
     code = EXIT_NOT_SAFE if not report.ok else (EXIT_OK if verified else EXIT_UNVERIFIED)
     verdict = _VERDICTS[code]
     if code == EXIT_UNVERIFIED and data["environment"]["gpu"] is None and not require_gpu:
@@ -240,8 +236,6 @@ _HOW = [
 
 
 def _next_step(data: dict[str, Any]) -> list[str]:
-    from .fixes import ALL_FIXES
-
     status, version = data["status"], data["status"]["diffusers_version"]
     needing = [f for f in status["fixes"] if f["needs_attention"]]
     if not status["ok"] and not status["enabled"]:
@@ -257,29 +251,13 @@ def _next_step(data: dict[str, Any]) -> list[str]:
         if any(f["reason_code"] == "skipped" for f in needing):
             way_out = "Take those ids out of DIFFUSERS_CUDNN_FIX_SKIP, or do not train with this backend under CP."
         return [*lines, way_out]
-    if data["nothing_to_fix"]:
-        nothing = f"Nothing to fix here: diffusers {version} needs none of this package's fixes. You do not need it;"
-        return [nothing, "imported anyway, it changes nothing."]
-    if not data["no_gradient_correction_needed"]:
-        needed = (
-            f"NEXT STEP: diffusers {version} needs the fixes below. The doctor applied them in its own process only;"
-        )
-        return [needed, "make them active in every process of your training run, either way:", *_HOW]
-    # What it still guards, and when removing it is safe, first; then how to keep it active everywhere.
-    titles, guards, only_for = {f.id: f.title for f in ALL_FIXES}, data["active_guards"], data["needed_only_for"]
-    cases = [GUARDED_CASES.get(i, titles[i]) for i in guards] + [GUARDED_CASES.get(i, r) for i, r in only_for.items()]
-    *most, last = dict.fromkeys(cases) or ["case the table below lists as guarded"]
-    uses = f"{', '.join(most)}, or {last}" if most else last
-    bug = " has the bool-mask bug (#14342: padded prompts train wrong without the package), so"
-    lead = f"diffusers {version}{bug}" if "cudnn_bool_mask" in guards else f"on diffusers {version},"
-    still = f"Still guarding here: {lead} removing the package is safe only if your training uses no {uses}."
-    needs = "".join(f" except {i}, which matters only to {runs}" for i, runs in only_for.items())
-    keep = (
-        f"For training that uses none of them it changes nothing: diffusers {version} needs no gradient "
-        f"correction{needs}; the guards ({', '.join(guards)}) are in the table below. To keep them, make them active "
-        "in every process of your training run (the doctor applied them in its own process only), either way:"
-    )
-    return [_wrap(still), _wrap(keep), *_HOW]
+    sentence = data["advice_text"]
+    if data["advice"] == "remove":
+        return [_wrap(f"Nothing to fix here: {sentence}")]
+    # The fixes are active in the doctor's process only: how to make them active in training comes next.
+    applied_here = "The doctor applied them in its own process only: make them active in every process of your training"
+    lead = "NEXT STEP" if data["advice"] == "apply" else "KEEP IT"
+    return [_wrap(f"{lead}: {sentence}"), _wrap(f"{applied_here} run, either way:"), *_HOW]
 
 
 def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
@@ -318,7 +296,7 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
         if verbose or f["result"] in ("NOT FIXED", f["detected"]):  # the result does not say why: the reason does
             print(_wrap(f"why: {f['reason']}", "      "))
         if (upstream := data["upstream"].get(f["id"])) is not None:  # the bug is open: where to fix it upstream
-            print(_wrap(f"upstream: {upstream['issue']} in this package's source tree ({upstream['holds']})", "      "))
+            print(_wrap(f"upstream: {upstream['command']} prints the report ({upstream['holds']})", "      "))
     for ref in status["stale_references"]:
         print(_wrap(f"still holds a shipped function: {ref}", "  "))
 
@@ -344,7 +322,7 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
         for row in data["shipped_vs_corrected"]:
             if row["error"]:
                 print(_wrap(f"{row['variant']} raises {row['error']}", "  "))
-    if not data["nothing_to_fix"] and status["ok"] and probe is not None and probe["state"] == "skipped":
+    if data["advice"] != "remove" and status["ok"] and probe is not None and probe["state"] == "skipped":
         print("\nNot verified on a GPU here: the behavioural check above ran (on CPU, no GPU needed), the GPU probe")
         print("could not. It runs by itself on the first CUDA call of a corrected op.")
     print(f"\nverdict: {data['verdict']} (exit status {data['exit_status']})")
@@ -358,8 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
     parser, run = _command_line()
     args, unknown = parser.parse_known_args(given)
-    if args.command in ("run", "verify"):
+    if args.command in ("run", "verify", "explain"):
         rest = given[given.index(args.command) + 1 :]  # as given: COMMAND's own switches are not ours
+        if args.command == "explain":  # reads the docs shipped in the package
+            from . import _explain
+
+            return _explain.main(rest, _Parser)
         if args.command == "verify":  # imported only here: it loads torch and diffusers when it runs
             from . import _verify
 

@@ -10,6 +10,8 @@ from typing import Any, Literal, Protocol
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from . import _explain
+
 #: What a check can say about the installed code.
 #: ``broken``: the bug is there; ``ok``: the installed code does the right thing; ``absent``: the functions
 #: do not exist (release without the feature); ``unknown``: unexpected signature or behaviour, left alone.
@@ -61,6 +63,15 @@ class Fix:
         upstream_issue: where the source tree has ``upstream/<id>/`` (ISSUE.md, reproducer, fix.patch, test: a
             bug still open on the newest release), what that folder proposes, in a few words, for the doctor's
             pointer to it; None where it has none.
+        matters_to: for a guard, the training runs that meet its bug, in a training run's words ("attention
+            masks"): the doctor's and the log's condition for removing the package where only guards are left.
+        reached_by: the ``verify`` run that reaches its policy (options, and the device where the backend's kernel
+            needs one), for verify's advice where a run left it unexercised.
+        bug_in: the targets whose shipped functions carry the bug, where they are not all of ``targets`` (a policy
+            may act earlier on the path than the bug lies): what ``verify --without-package`` watches.
+        reached_when: what makes a call of those shipped functions meet the bug, as far as ``verify
+            --without-package`` can see: any call, a call with an attention mask, or nothing it looks at
+            (``never``: a dtype, an alignment, a mask that requires grad; such a fix is never counted as reached).
     """
 
     id: str
@@ -73,6 +84,10 @@ class Fix:
     only_for_on: tuple[str, str] | None = None
     old_ids: tuple[str, ...] = ()
     upstream_issue: str | None = None
+    matters_to: str = ""
+    reached_by: str = ""
+    bug_in: tuple[str, ...] = ()
+    reached_when: Literal["call", "mask", "never"] = "call"
 
     @property
     def only_for(self) -> str:
@@ -92,6 +107,12 @@ class Fix:
         if self.upstream_issue is None or (self.only_for_on is not None and not self.only_for):
             return None
         return f"upstream/{self.id}/ISSUE.md"
+
+    @property
+    def upstream_command(self) -> str | None:
+        """The command that prints the upstream report (ISSUE.md and fix.patch, from the files installed with the
+        package: a wheel has no source tree) where :attr:`upstream_folder` names one, else None."""
+        return None if self.upstream_folder is None else _explain.upstream_command(self.id)
 
 
 def release_table_lists(specifier: str, version: str | None) -> bool | None:

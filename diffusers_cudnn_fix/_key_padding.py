@@ -45,8 +45,11 @@ def remembered(compute: Any, tensor: torch.Tensor, question: Any) -> Any:
     if entry is None or entry[0]() is not tensor or entry[1] != tensor._version:
         if len(_kept) >= _MAX_MASKS:
             _kept.clear()
-        # The tensor gone, so is what was computed from it (and its id may be reused).
-        entry = _kept[key] = (weakref.ref(tensor, lambda _: _kept.pop(key, None)), tensor._version, {})
+        # The tensor gone, so is what was computed from it (and its id may be reused). The callback holds the
+        # dict's own pop, never the module global: at interpreter exit the module's globals are cleared (None)
+        # first, and dropping this dict then frees an answer that may hold the last reference to the tensor.
+        forget = _kept.pop
+        entry = _kept[key] = (weakref.ref(tensor, lambda _: forget(key, None)), tensor._version, {})
     answers = entry[2]
     if (compute, question) not in answers:
         answers[compute, question] = compute(tensor, question)

@@ -13,12 +13,12 @@ import importlib
 import importlib.util
 import sys
 import threading
-from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from . import _switches
+from ._advice import decide
 from ._fix import Finding, Fix, release_table_lists
 from ._warnings import FixNotAppliedWarning, ReleaseTableMismatchWarning, StaleReferenceWarning, explain, logger, report
 from .fixes import ALL_FIXES
@@ -131,7 +131,7 @@ def raw_get(module: ModuleType | None, target: str) -> Any:
     return holder.__dict__.get(name) if isinstance(holder, type) else getattr(holder, name, None)
 
 
-def _raw_set(module: ModuleType | None, target: str, value: Any) -> None:
+def raw_set(module: ModuleType | None, target: str, value: Any) -> None:
     holder, name = _holder(module, target)
     if isinstance(holder, dict):
         holder[name] = value  # only ever an entry that is there (raw_get found it)
@@ -167,6 +167,13 @@ def check_live(module: ModuleType) -> dict[str, Finding]:
         return {fix.id: check_of(fix)(Objects(module, installed)) for fix in _fixes()}
 
 
+def check_shipped(module: ModuleType) -> dict[str, Finding]:
+    """Every fix's check on the code diffusers shipped (what apply() kept, else the live objects): what the installed
+    release needs, whether the package is on, switched off or reverted (``verify``'s accounting)."""
+    with _state.lock:
+        return {fix.id: check_of(fix)(Objects(module)) for fix in _fixes()}
+
+
 def _ours(module: ModuleType | None, target: str) -> bool:
     return target in _state.installed and raw_get(module, target) is _state.installed[target]
 
@@ -200,7 +207,7 @@ def _put_back(module: ModuleType | None, *, reverting: bool) -> None:
             namespace[global_name] = original
     for target, original in _state.originals.items():
         if _ours(module, target):
-            _raw_set(module, target, original)
+            raw_set(module, target, original)
         elif reverting:
             logger.warning("%s.%s was changed by someone else since we patched it; left as is", MODULE_NAME, target)
     for kept in (_state.originals, _state.installed, _state.policies, _state.seen, _state.rebound, _state.stale):
@@ -247,7 +254,7 @@ def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> None:
     applied = wanted - failed.keys()
     for target, new in built.items():
         _state.originals[target] = raw_get(module, target)
-        _raw_set(module, target, new)
+        raw_set(module, target, new)
         _state.installed[target] = new
         _state.policies[target] = frozenset(f.id for f in fixes if target in f.targets and f.id in applied)
     for fix in fixes:
@@ -330,28 +337,8 @@ def _rebind_references(module: ModuleType) -> None:
                 logger.info("rebound %s.%s to the corrected %s", mod_name, global_name, target)
 
 
-def advice(shipped: Mapping[str, str], applied: Collection[str]) -> dict[str, Any]:
-    """What the installed release needs, from what each fix's check found in its shipped code (``shipped``) and
-    the fixes applied: the one answer to "does it need a correction, can the package be removed", which the
-    import-time log and the doctor both give (the doctor's ``--json`` carries it as is)."""
-    fixes = [fix for fix in ALL_FIXES if fix.id in shipped]
-    quiet = {fix_id: state in ("ok", "absent") for fix_id, state in shipped.items()}
-    # A correction that matters only to some runs and is found broken is named as the condition instead. Found
-    # in any other state (unknown, say) it counts.
-    only_for = {f.id: f.only_for for f in fixes if f.only_for and shipped[f.id] == "broken"}
-    corrections = [f.id for f in fixes if f.kind == "correction" and f.id not in only_for]
-    return {
-        "nothing_to_fix": bool(fixes) and not applied and all(quiet.values()),
-        "no_gradient_correction_needed": bool(fixes) and all(quiet[i] for i in corrections),
-        "active_guards": [f.id for f in fixes if f.kind == "guard" and f.id in applied],
-        "needed_only_for": only_for,  # correction id -> the runs it matters to
-        "applied": [f.id for f in fixes if f.id in applied],
-        "corrections": corrections,  # the gradient corrections, but those
-    }
-
-
 def _announce(module: ModuleType) -> None:
-    """Say once what was applied, where the release table and the check disagree, or that we are not needed."""
+    """Say what was applied, where the release table and the check disagree, and (once) the advice."""
     version = _diffusers_version()
     states = {fix_id: record.finding.state for fix_id, record in _state.records.items()}
     for fix in _fixes():
@@ -360,18 +347,11 @@ def _announce(module: ModuleType) -> None:
             _state.mismatches_reported.add(fix.id)
             cause = f"the release table says diffusers {version} {mismatch.format(fix.id)}."
             report(explain(cause, *_ON_MISMATCH, f"fixes.md#{fix.id}"), ReleaseTableMismatchWarning)
-    said = advice(states, [fix.id for fix in _fixes() if _applied(module, fix)])
-    if said["applied"]:
-        logger.info("diffusers_cudnn_fix: diffusers %s: applied %s", version, ", ".join(said["applied"]))
-    if not _state.announced and said["no_gradient_correction_needed"]:
-        logger.info(
-            "diffusers_cudnn_fix: diffusers %s needs none of the gradient corrections (%s); the package can be "
-            "removed for them.%s%s",
-            version,
-            ", ".join(said["corrections"]),
-            "".join(f" {i} is needed for {runs} only." for i, runs in said["needed_only_for"].items()),
-            f" Guards still active: {', '.join(said['active_guards'])}." if said["active_guards"] else "",
-        )
+    applied = [fix.id for fix in _fixes() if _applied(module, fix)]
+    if applied:
+        logger.info("diffusers_cudnn_fix: diffusers %s: applied %s", version, ", ".join(applied))
+    if not _state.announced:
+        logger.info("diffusers_cudnn_fix: %s", decide(states, version).sentence())
     _state.announced = True
 
 

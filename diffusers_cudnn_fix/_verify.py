@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import functools
 import importlib
 import inspect
 import math
@@ -33,10 +34,10 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
-from . import revert, status
+from . import probe, revert, status
 from ._report import json_text
 
 EXIT_PASS, EXIT_MISMATCH, EXIT_CANNOT_RUN = 0, 1, 2
@@ -100,7 +101,10 @@ def build_parser(make_parser: Callable[[str, str, str, str], argparse.ArgumentPa
     add("--traceback", action="store_true", help="print the traceback of an error, not only its message")
     add("--without-package", action="store_true", help="every fix off in every rank: the install as shipped")
     add("--nproc", type=int, default=None, metavar="N", help="start N local ranks (not under torchrun)")
-    dist_help = "process-group backend (default: nccl on CUDA, gloo on CPU; gloo lets ranks share one GPU)"
+    dist_help = (
+        "process-group backend (default: nccl on CUDA, gloo on CPU). On GPUs use nccl, one GPU per rank: two gloo "
+        "ranks sharing one GPU crashed with SIGSEGV on an H100 and an H200"
+    )
     add("--dist-backend", choices=("nccl", "gloo"), default=None, help=dist_help)
     add("--timeout", type=float, default=300.0, metavar="S", help="deadline in seconds (default: 300)")
     # Hidden. --preload: the tests' seam (docs/verify.md, "Tests"), a module imported in each rank after torch and
@@ -108,6 +112,8 @@ def build_parser(make_parser: Callable[[str, str, str, str], argparse.ArgumentPa
     # --rendezvous: what the --nproc launcher hands its ranks (and marks them as ranks, not a launcher).
     add("--preload", action="append", default=[], metavar="MODULE", help=argparse.SUPPRESS)
     add("--rendezvous", default=None, help=argparse.SUPPRESS)
+    # Hidden too: where the --nproc launcher's ranks leave their results, which the launcher prints once.
+    add("--report-dir", default=None, help=argparse.SUPPRESS)
     return parser
 
 
@@ -125,7 +131,9 @@ def main(argv: list[str], make_parser: Callable[[str, str, str, str], argparse.A
     ulysses = max(1, world // max(ring, 1)) if args.ulysses is None else args.ulysses  # what the ring leaves
     if args.mask == "padded" and args.model != "qwen":
         parser.error("--mask padded needs a model with a text mask path: --model qwen (Flux has none)")
-    for name in ("nproc", "ulysses", "ring"):
+    if args.nproc is not None and args.nproc < 2:
+        parser.error("--nproc must be at least 2: context parallelism needs 2 or more ranks")
+    for name in ("ulysses", "ring"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
     if args.timeout <= 0:
@@ -133,7 +141,33 @@ def main(argv: list[str], make_parser: Callable[[str, str, str, str], argparse.A
     if ulysses * ring != world:
         parser.error(f"--ulysses {ulysses} x --ring {ring} = {ulysses * ring} ranks, but the world size is {world}")
     args.ulysses, args.ring, args.dtype = ulysses, ring, DTYPES[args.dtype]
-    return _launch(argv, args) if launching else _run_rank(args)
+    if launching:
+        # Before any rank starts: a misspelt backend is a usage error here, not N ranks failing alike.
+        revert()  # this process only reads diffusers' registry: no checks, nothing patched
+        problem = backend_problem(args.backend)
+        if problem is not None:
+            parser.error(problem)
+        return _launch(argv, args)
+    return _run_rank(args, parser)
+
+
+def backend_problem(backend: str | None) -> str | None:
+    """Why ``--backend`` names no attention backend of the installed diffusers (listing the valid names), else
+    None. Imports diffusers' attention module; its registry is the authority."""
+    if backend is None:
+        return None
+    try:
+        from diffusers.models import attention_dispatch
+    except Exception:  # noqa: BLE001 - the ranks say why diffusers cannot be imported
+        return None
+    registry = getattr(attention_dispatch, "_AttentionBackendRegistry", None)
+    names = [str(getattr(name, "value", name)) for name in getattr(registry, "_backends", {})]
+    if not names or backend in names:
+        return None  # a registry this command cannot read: diffusers' own error decides
+    parallel = set(getattr(registry, "_supports_context_parallel", ()))
+    listed = [n for n in names if n in parallel] or names
+    which = "context-parallel backends" if len(listed) < len(names) else "backends"
+    return f"--backend {backend!r} is not an attention backend of this diffusers; its {which}: {', '.join(listed)}"
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -145,7 +179,8 @@ def _launch(argv: list[str], args: argparse.Namespace) -> int:
     theirs, then they are killed (they would wait in a collective). Rank 0 prints the result; the launcher's
     exit status is rank 0's where every rank finished its part, else 2 (with a line saying why)."""
     nproc, deadline = args.nproc, time.monotonic() + args.timeout
-    why: str | None = None
+    why: str | None = None  # the launcher's own reason: a deadline or a signal
+    first_failed: int | None = None
     procs: list[subprocess.Popen[bytes]] = []
     signalled: list[int] = []
 
@@ -161,6 +196,7 @@ def _launch(argv: list[str], args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="dcf-verify-") as tmp:
             # The ranks keep --nproc: --rendezvous tells them they are ranks.
             cmd = [sys.executable, "-m", "diffusers_cudnn_fix", "verify", *argv, "--rendezvous", f"file://{tmp}/rdv"]
+            cmd += ["--report-dir", tmp]
             try:  # started inside the ``try``: a signal while starting them ends those already started
                 for rank in range(nproc):
                     ranks = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc)}
@@ -168,8 +204,8 @@ def _launch(argv: list[str], args: argparse.Namespace) -> int:
                     procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
                 while [p.poll() for p in procs].count(None):  # every rank polled each time (any() would stop early)
                     failed = [r for r, p in enumerate(procs) if p.returncode not in (None, EXIT_PASS, EXIT_MISMATCH)]
-                    if failed and why is None:
-                        why = _rank_ended(failed[0], procs[failed[0]].returncode)
+                    if failed and first_failed is None:
+                        first_failed = failed[0]
                         deadline = min(deadline, time.monotonic() + GRACE_S)
                     if time.monotonic() > deadline:
                         why = why or f"timed out after {args.timeout:g} s"
@@ -183,19 +219,45 @@ def _launch(argv: list[str], args: argparse.Namespace) -> int:
                     os.killpg(procs[r].pid, signal.SIGKILL)  # the rank's own session: it and whatever it started
             for proc in procs:
                 proc.wait()
+            reports = [_read_report(tmp, rank) for rank in range(nproc)]
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     codes = [None if r in killed else p.returncode for r, p in enumerate(procs)] + [None] * (nproc - len(procs))
-    if codes[0] in (EXIT_PASS, EXIT_MISMATCH) and all(code == EXIT_PASS for code in codes[1:]):
-        return int(codes[0] or 0)
-    if killed:  # only after a deadline, a failed rank or a signal: ``why`` says which
-        why = f"{why}; stopped rank(s) {', '.join(map(str, killed))}"
-    reason = why or f"rank exit statuses {codes}"
-    if codes[0] not in (EXIT_PASS, EXIT_MISMATCH, EXIT_CANNOT_RUN):  # rank 0 printed no verdict
-        _could_not_run(args.json, reason)
-    print(f"diffusers-cudnn-fix verify: {reason}", file=sys.stderr)
+    result = reports[0].get("result")
+    if result is not None and all(code == EXIT_PASS for code in codes[1:]):
+        print(json_text(result) if args.json else render(result), flush=True)
+        return int(result["exit_status"])
+    # Could not run: every distinct reason once, the main one (rank 0's, else the first rank's that failed, else
+    # the launcher's) on the verdict line, which ends the output as on every run.
+    by_text: dict[str, list[int]] = {}
+    for r, report in enumerate(reports):
+        if report.get("reason"):
+            by_text.setdefault(report["reason"], []).append(r)
+    reasons = [f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {text}" for text, r in by_text.items()]
+    if first_failed is not None and not reports[first_failed]:  # it said nothing: a crash, or a signal
+        reasons.append(_rank_ended(first_failed, procs[first_failed].returncode))
+    if why is not None:
+        reasons.append(why)
+    if killed:  # only after a deadline, a failed rank or a signal: the reasons above say which
+        reasons.append(f"stopped rank(s) {', '.join(map(str, killed))}, which were still running")
+    main_reason, *others = reasons or [f"rank exit statuses {codes}"]
+    for other in others:
+        print(f"diffusers-cudnn-fix verify: {other}", file=sys.stderr, flush=True)
+    _could_not_run(args.json, main_reason, others)
     return EXIT_CANNOT_RUN
+
+
+def _read_report(folder: str, rank: int) -> dict[str, Any]:
+    """What rank ``rank`` left in the launcher's folder ({} if it left nothing: killed, or crashed)."""
+    import json
+
+    try:
+        with open(os.path.join(folder, f"rank{rank}.json"), encoding="utf-8") as f:
+            report: dict[str, Any] = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return report
 
 
 def _rank_ended(rank: int, status: int | None) -> str:
@@ -214,10 +276,14 @@ def _rank_ended(rank: int, status: int | None) -> str:
     )
 
 
-def _could_not_run(as_json: bool, reason: str) -> None:
-    """Rank 0's verdict (or the launcher's, where rank 0 printed none) when verify could not run."""
+def _could_not_run(as_json: bool, reason: str, others: list[str] | None = None) -> None:
+    """The verdict when verify could not run: rank 0's, or the launcher's (``others``: the other ranks' reasons
+    where they differ, already said on stderr)."""
     found = {"exit_status": EXIT_CANNOT_RUN, "verdict": "could not run", "reason": reason}
-    print(json_text(found) if as_json else f"verdict: COULD NOT RUN (exit status {EXIT_CANNOT_RUN}): {reason}")
+    found["other_reasons"] = others or []
+    # One line, whatever the reason holds (a problem message is three): every run's output ends with its verdict.
+    text = f"verdict: COULD NOT RUN (exit status {EXIT_CANNOT_RUN}): {' '.join(reason.split())}"
+    print(json_text(found) if as_json else text, flush=True)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -227,8 +293,13 @@ class CannotRun(Exception):
     """Verify cannot run here; the message says why (exit status 2)."""
 
 
-def _run_rank(args: argparse.Namespace) -> NoReturn:
-    """This rank's part; rank 0 prints the result and one short line per phase on stderr. Ends through
+class _UsageError(Exception):
+    """An option the installed diffusers cannot take (a backend it does not have): exit status 64."""
+
+
+def _run_rank(args: argparse.Namespace, parser: argparse.ArgumentParser) -> NoReturn:
+    """This rank's part; rank 0 prints the result and one short line per phase on stderr (under the ``--nproc``
+    launcher each rank leaves its result or its reason to the launcher, which prints them once). Ends through
     ``_exit``, also after an error, so that no process-group teardown can wait on a rank that is gone."""
     rank = args.rank = int(os.environ.get("RANK", "0"))
     started, phase = time.monotonic(), ""
@@ -243,6 +314,9 @@ def _run_rank(args: argparse.Namespace) -> NoReturn:
     try:
         enter(1, "importing torch and diffusers")
         torch, diffusers = _imports(args)
+        problem = backend_problem(args.backend)
+        if problem is not None:
+            raise _UsageError(problem)
         import torch.distributed as dist
 
         # Launched: the launcher's rendezvous; under torchrun (MASTER_ADDR): env://; alone: a world of one.
@@ -269,24 +343,46 @@ def _run_rank(args: argparse.Namespace) -> NoReturn:
         setup = [f"ulysses {args.ulysses} x ring {args.ring}", args.backend, args.dtype.replace("bfloat", "bf")]
         setup += stack + (["mask padded"] if args.mask == "padded" else [])
         enter(5, "context-parallel forward and backward", f": {', '.join(setup)}")
-        got = _cp_step(torch, dist, built, args)
+        needed = _needed(diffusers)
+        with _accounting(torch, args, needed) as reached:
+            got = _cp_step(torch, dist, built, args)
+        gathered: list[Any] = [None] * args.world_size
+        dist.all_gather_object(gathered, sorted(reached))  # what every rank's code ran
         enter(6, "comparing")
         if got is None:  # not rank 0
-            _exit(EXIT_PASS)
+            _finish(args, EXIT_PASS)
         result = compare(torch, got, ref, floor, args.dtype)
         result["setup"] = _setup(args, diffusers.__version__, torch.__version__)
-    except BaseException as exc:  # any error is a finding: said, then exit 2
+        result.update(exercise(needed, set().union(*gathered), without_package=args.without_package))
+    except BaseException as exc:  # any error is a finding: said once, then exit 2 (64 for a usage error)
         if isinstance(exc, KeyboardInterrupt):
             raise
+        if isinstance(exc, _UsageError):
+            if rank == 0 and args.report_dir is None:  # the launcher checked it already: it cannot get here
+                parser.print_usage(sys.stderr)
+                print(f"{parser.prog}: error: {exc}", file=sys.stderr, flush=True)
+            _exit(64)
         reason = f"{phase}: {exc if isinstance(exc, CannotRun) else f'{type(exc).__name__}: {exc}'}"
         if args.traceback and not isinstance(exc, CannotRun):
             traceback.print_exc()
-        print(f"diffusers-cudnn-fix verify: rank {rank}: {reason}", file=sys.stderr, flush=True)
-        if rank == 0:
-            _could_not_run(args.json, reason)
-        _exit(EXIT_CANNOT_RUN)
-    print(json_text(result) if args.json else render(result), flush=True)
-    _exit(result["exit_status"])
+        _finish(args, EXIT_CANNOT_RUN, reason=reason)
+    _finish(args, result["exit_status"], result=result)
+
+
+def _finish(args: argparse.Namespace, code: int, *, result: Any = None, reason: str | None = None) -> NoReturn:
+    """End this rank with ``code``. Under the ``--nproc`` launcher: leave the result or the reason to it (it prints
+    each once). Otherwise rank 0 prints the result, or the verdict with the reason; another rank that failed says
+    why on stderr (the rank that meets a problem says it)."""
+    if args.report_dir is not None:
+        with open(os.path.join(args.report_dir, f"rank{args.rank}.json"), "w", encoding="utf-8") as f:
+            f.write(json_text({"exit_status": code, "result": result, "reason": reason}))
+    elif result is not None:
+        print(json_text(result) if args.json else render(result), flush=True)
+    elif reason is not None and args.rank == 0:
+        _could_not_run(args.json, reason)
+    elif reason is not None:
+        print(f"diffusers-cudnn-fix verify: rank {args.rank}: {reason}", file=sys.stderr, flush=True)
+    _exit(code)
 
 
 def _exit(code: int) -> NoReturn:
@@ -459,6 +555,16 @@ def _cp_step(torch: Any, dist: Any, built: tuple[Any, dict[str, Any], Any], args
 
     try:
         model, run = _forward_backward(torch, built, getattr(torch, args.dtype), args.backend, parallelise)
+    except ValueError as exc:
+        if args.ring < 2 or "return_lse" not in str(exc):
+            raise
+        # Recognised by diffusers' own message (seen with ``native`` on 0.38.0 - 0.41.0), not by version.
+        raise CannotRun(
+            f"diffusers {diffusers.__version__}'s {args.backend} backend cannot run ring attention: each ring step's "
+            f"output is merged through its log-sum-exp, which this backend does not return (ValueError: {exc}). "
+            f"Check Ulysses with this backend (--ring 1), or ring with a backend that returns one, on GPUs: "
+            f"--backend _native_cudnn --ring {args.ring}."
+        ) from exc
     except RuntimeError as exc:
         frames = {frame.name for frame in traceback.extract_tb(exc.__traceback__)}
         if "_native_attention_backward_op" not in frames or "does not require grad" not in str(exc):
@@ -482,6 +588,110 @@ def _cp_step(torch: Any, dist: Any, built: tuple[Any, dict[str, Any], Any], args
     sizes = [p.numel() for _, p in params]
     run["grads"] = {name: g.view(p.shape) for (name, p), g in zip(params, flat.split(sizes), strict=True)}
     return run
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What the run exercised
+# ------------------------------------------------------------------------------------------------------------
+def _needed(diffusers: Any) -> tuple[str, ...]:
+    """The fix ids the installed diffusers needs: the package's checks of its shipped code (with the package off
+    too), summed up as the doctor's advice is."""
+    from . import _registry
+    from ._advice import decide
+
+    findings = _registry.check_shipped(sys.modules[_registry.MODULE_NAME])
+    return decide({fix_id: found.state for fix_id, found in findings.items()}, diffusers.__version__).needed
+
+
+@contextlib.contextmanager
+def _accounting(torch: Any, args: argparse.Namespace, needed: tuple[str, ...]) -> Iterator[set[str]]:
+    """What the step inside reaches, left in the set it yields once it ends: with the package, the ids of the
+    fixes whose policies ran (each policy marks itself, ``_ledger``); ``--without-package``, diffusers' shipped
+    functions that carry the needed fixes' bugs (``Fix.bug_in``) and were called, and the fixes whose bug such a
+    call meets as far as it can be seen (``Fix.reached_when``), through counting wrappers put in their place for
+    the step."""
+    from . import _ledger, _registry
+    from .fixes import ALL_FIXES
+
+    module = sys.modules[_registry.MODULE_NAME]
+    put_back: list[tuple[str, Any]] = []
+    if args.without_package:
+        by_target: dict[str, list[Any]] = {}
+        for fix in ALL_FIXES:
+            for target in (fix.bug_in or fix.targets) if fix.id in needed else ():
+                by_target.setdefault(target, []).append(fix)
+        for target, fixes in by_target.items():
+            stored = _registry.raw_get(module, target)
+            if stored is not None:
+                _registry.raw_set(module, target, _counting(torch, target, fixes, stored))
+                put_back.append((target, stored))
+    elif args.device != "cpu":
+        probe()  # the GPU probe runs the ops on cases of its own: once per device, before the accounting starts
+    reached: set[str] = set()
+    _ledger.start()
+    try:
+        yield reached
+    finally:
+        reached.update(_ledger.stop())
+        for target, stored in put_back:
+            _registry.raw_set(module, target, stored)
+
+
+def _counting(torch: Any, target: str, fixes: list[Any], stored: Any) -> Any:
+    """``stored`` (diffusers' object at ``target``) marking, on each call, ``target`` and the ``fixes`` whose bug
+    the call meets: any call, or one with an attention mask (an argument named ``*mask`` that is a tensor). A fix
+    whose bug needs what the call does not show (``reached_when="never"``), or only some runs on this release
+    (``Fix.only_for``: ring degree 3, say), is never marked: the accounting may say less than the run did, never
+    more."""
+    from . import _ledger, _registry
+
+    func = _registry.callable_of(stored)
+    masks = [(at, name) for at, name in enumerate(inspect.signature(func).parameters) if name.endswith("mask")]
+    visible = [fix for fix in fixes if not fix.only_for]
+    every_call = [fix.id for fix in visible if fix.reached_when == "call"]
+    masked_calls = [fix.id for fix in visible if fix.reached_when == "mask"]
+
+    @functools.wraps(func)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        if _ledger.recording:
+            _ledger.reached(target)
+            masked = any(
+                isinstance(kwargs[name] if name in kwargs else args[at] if at < len(args) else None, torch.Tensor)
+                for at, name in masks
+            )
+            for fix_id in every_call + (masked_calls if masked else []):
+                _ledger.reached(fix_id)
+        return func(*args, **kwargs)
+
+    return staticmethod(counted) if isinstance(stored, staticmethod) else counted
+
+
+def exercise(needed: tuple[str, ...], reached: set[str], *, without_package: bool) -> dict[str, Any]:
+    """``needed`` split by whether the run ``reached`` it, with the runs that reach the rest (``reach_them_with``:
+    a run -> the fix ids it reaches); ``--without-package``, the shipped functions too, and the fixes whose bug
+    the accounting cannot see met without the package (``cannot_tell``: never counted as exercised)."""
+    from .fixes import ALL_FIXES
+
+    fixes = [fix for fix in ALL_FIXES if fix.id in needed]
+    unseen = [fix.id for fix in fixes if without_package and (fix.reached_when == "never" or fix.only_for)]
+    hints: dict[str, list[str]] = {}
+    for fix in fixes:
+        if fix.id not in reached and fix.id not in unseen:
+            hints.setdefault(fix.reached_by, []).append(fix.id)
+    found: dict[str, Any] = {
+        "needed": [fix.id for fix in fixes],
+        "exercised": [fix.id for fix in fixes if fix.id in reached],
+        "not_exercised": [fix.id for fix in fixes if fix.id not in reached],
+        "reach_them_with": hints,
+        "cannot_tell": unseen,
+        "functions_reached": None,
+        "functions_not_reached": None,
+    }
+    if without_package:
+        targets = list(dict.fromkeys(target for fix in fixes for target in fix.bug_in or fix.targets))
+        found["functions_reached"] = [target for target in targets if target in reached]
+        found["functions_not_reached"] = [target for target in targets if target not in reached]
+    return found
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -556,6 +766,31 @@ def _pct(value: float | None) -> str:
     return "inf" if math.isinf(value) else f"{100 * value:.3g}%"
 
 
+def _exercise_lines(result: dict[str, Any]) -> list[str]:
+    """What this release needs and what of it the run reached (:func:`exercise`), in words."""
+    if "needed" not in result:
+        return []
+    if not result["needed"]:
+        return ["this diffusers needs none of the package's fixes (its checks of the shipped code)"]
+    lines = [f"this diffusers needs: {', '.join(result['needed'])} (the package's checks of the shipped code)"]
+    if result["functions_reached"] is None:
+        what = "exercised by this run (the package's policies that ran)"
+    else:
+        what = "reached by this run in diffusers' shipped code (the package off)"
+        functions = result["functions_reached"]
+        lines.append(f"diffusers' functions of those bugs called by this run: {', '.join(functions) or 'none'}")
+    lines.append(f"{what}: {', '.join(result['exercised']) or 'none'}")
+    for run, ids in result["reach_them_with"].items():
+        lines.append(f"NOT exercised: {', '.join(ids)}; a run that reaches them: {run}")
+    if result.get("cannot_tell"):
+        unseen = ", ".join(result["cannot_tell"])
+        lines.append(
+            f"NOT counted with the package off: {unseen} (their bugs need inputs or runs the accounting cannot see; "
+            "run with the package to see their policies run)"
+        )
+    return lines
+
+
 def render(result: dict[str, Any]) -> str:
     """The table, the worst parameters on a mismatch, and the one-line verdict."""
     s, on = result["setup"], {True: "on", False: "off"}
@@ -586,9 +821,15 @@ def render(result: dict[str, Any]) -> str:
     lines.append(f"\nloss {loss['cp']:.6g} vs {loss['reference']:.6g} ({_pct(loss['rel_error'])} off)")
     if result["unreached"]:
         lines.append(f"{UNREACHED}: {len(result['unreached'])} parameters whose gradient must be exactly 0")
+    lines += _exercise_lines(result)
+    missed = result.get("not_exercised") or []
     if result["exit_status"] == EXIT_PASS:
         n = result["compared_params"]
-        lines.append(f"verdict: PASS (exit status 0): output and {n} parameter gradients within tolerance")
+        passed = f"verdict: PASS (exit status 0): output and {n} parameter gradients within tolerance"
+        if missed:  # the PASS covers what the run reached, no more: said where the verdict is read
+            runs = "; ".join(result["reach_them_with"]) or "with the package, to see them run"
+            passed += f"; NOT exercised by this run: {', '.join(missed)} (a run that reaches them: {runs})"
+        lines.append(passed)
     else:
         named = ", ".join(
             f"{w['param']} {_pct(w['error'])} (tolerance {_pct(w['tolerance'])})" for w in result["worst"]

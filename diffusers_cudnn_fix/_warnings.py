@@ -22,6 +22,8 @@ import sys
 import warnings
 from types import FrameType
 
+from ._explain import command_for
+
 logger = logging.getLogger("diffusers_cudnn_fix")
 # Without a handler anywhere on its path, logging prints a WARNING record through its last-resort handler,
 # which would repeat every warning below on stderr. The NullHandler counts as a handler; records still
@@ -74,9 +76,11 @@ class UnsafeAttentionError(RuntimeError):
 
 def explain(cause: str, consequence: str, way_out: str, section: str) -> str:
     """A problem as the package says it: the cause, the consequence and the way out, one line each, the last
-    naming where the long explanation lives once: ``section`` of the docs, ``"fixes.md#<fix id>"`` for a fix's
-    (docs/fixes.md has a section per fix). Each part is one sentence or a few, with no line break of its own."""
-    return f"diffusers_cudnn_fix: {cause}\n{consequence}\n{way_out} See docs/{section}."
+    naming once the command that prints the long explanation, ``section`` of the docs (``"fixes.md#<fix id>"``
+    for a fix's: docs/fixes.md has a section per fix). The command reads the docs installed with the package,
+    so it works from a wheel, where a path into the source tree would not; it ends the line, to be copied as
+    it is. Each part is one sentence or a few, with no line break of its own."""
+    return f"diffusers_cudnn_fix: {cause}\n{consequence}\n{way_out} Details: {command_for(section)}"
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

@@ -175,7 +175,7 @@ def test_the_next_step_comes_first_where_fixes_are_needed() -> None:
     assert "own process only" in first, text  # "applied: yes" is about the doctor's process, not training
     assert "can be removed" not in text.lower()
     data = strict_json(result["json"]["text"])
-    assert data["nothing_to_fix"] is False and data["no_gradient_correction_needed"] is False
+    assert data["advice"] == "apply" and data["advice_text"] in _words(first), data
     for named in ("subcommand", "before_subcommand"):
         same = strict_json(result[named]["text"])
         assert (same["status"], same["exit_status"]) == (data["status"], data["exit_status"]), named
@@ -200,20 +200,21 @@ def test_titles_not_evidence_and_aligned_columns() -> None:
 
 def test_on_a_guards_only_release_it_says_first_what_it_still_guards() -> None:
     """0.42.1 needs no gradient correction for most runs, but the bool-mask bug (#14342) is open there (padded
-    QwenImage prompts train 103% off without the package): the first sentence says what the package still
-    guards and when removing it is safe, not "Can be removed"."""
+    QwenImage prompts train 103% off without the package): the advice is "keep", and its first sentence names
+    every fix still needed (the ring route's correction too) and the training runs that meet them."""
     result = doctor("0.42.1")
     data = strict_json(result["json"]["text"])
-    assert data["no_gradient_correction_needed"] is True and "cudnn_bool_mask" in data["active_guards"], data
+    assert data["advice"] == "keep" and "cudnn_bool_mask" in data["needs"]["guards"], data
+    assert "ring_grad_route" in data["needs"]["only_for"], data
     text = result["text"]["text"]
     assert "can be removed" not in text.lower(), text
-    first_sentence = _words(text).split(". ")[0]
-    assert first_sentence.startswith("Still guarding here"), first_sentence
-    for case in ("#14342", "attention masks", "safe only if", "fp32", "ring degree 3"):
-        assert case in first_sentence, (case, first_sentence)
+    first_sentence = _words(text).split(": keep it if")[0]
+    assert first_sentence.startswith("KEEP IT"), first_sentence
     advice = _first_paragraph(text)
-    for guard in data["active_guards"]:
-        assert guard in advice, advice
+    for case in ("attention masks", "fp32", "ring_degree >= 3", "removing it is safe"):
+        assert case in advice, (case, advice)
+    for fix_id in (*data["needs"]["guards"], *data["needs"]["only_for"]):
+        assert fix_id in first_sentence, (fix_id, first_sentence)
     # One decision, said first; how to keep the guards active everywhere in the same paragraph; not a
     # "NEXT STEP: make them active".
     assert "NEXT STEP" not in text and "needs the guards" not in text, text
@@ -228,7 +229,7 @@ def test_without_a_gpu_the_doctor_did_what_it_could_and_says_so() -> None:
     GPU, the probe skipped by `--no-gpu` is exit status 3 either way."""
     result = doctor("0.39.0")
     data = strict_json(result["json"]["text"])
-    assert data["status"]["ok"] is True and data["nothing_to_fix"] is False, data
+    assert data["status"]["ok"] is True and data["advice"] == "apply", data
     assert result["strict"]["code"] == 3, result["strict"]["text"]
     assert "not verified on a GPU" in result["strict"]["text"], result["strict"]["text"]
     last = result["text"]["text"].rstrip().splitlines()[-1]
@@ -322,54 +323,54 @@ def test_a_usage_error_has_its_own_exit_status(tmp_path: Path) -> None:
 
 
 def test_a_correction_for_some_runs_only_counts_where_its_check_is_not_sure(monkeypatch) -> None:
-    """An ``only_for`` correction found broken is named as the condition of the "can be removed" advice; one whose
-    check could not tell ("unknown") keeps the advice from being given. One decision (``_registry.advice``), which
-    the doctor and the registry's log both give. On a release outside its ``only_for_on`` (ring attention on
-    0.39.0, wrong at any degree) it counts as any correction."""
+    """An ``only_for`` correction found broken makes the advice "keep", naming the runs it matters to; one whose
+    check could not tell ("unknown") makes it "apply". One decision (``_advice.decide``), which the doctor and the
+    registry's log both render. On a release outside its ``only_for_on`` (ring attention on 0.39.0, wrong at any
+    degree) it counts as any correction."""
     import types
 
-    from diffusers_cudnn_fix import _registry
+    from diffusers_cudnn_fix import _advice
     from diffusers_cudnn_fix.fixes import ALL_FIXES
 
     conditional = next(fix for fix in ALL_FIXES if fix.only_for_on)
     monkeypatch.setitem(sys.modules, "diffusers", types.SimpleNamespace(__version__="0.39.0"))
-    assert conditional.only_for == "" and conditional.upstream_folder is None  # 0.39's bug is fixed upstream
+    assert conditional.only_for == ""  # 0.39's bug is fixed upstream
     monkeypatch.setitem(sys.modules, "diffusers", types.SimpleNamespace(__version__="0.42.1"))
-    assert conditional.only_for == conditional.only_for_on[1] and conditional.upstream_folder is not None
+    assert conditional.only_for == conditional.only_for_on[1]
 
-    def needs(state: str) -> dict:
-        shipped = {f.id: state if f is conditional else "ok" for f in ALL_FIXES}
-        return _registry.advice(shipped, [conditional.id] if state == "broken" else [])
+    def needs(state: str) -> _advice.Advice:
+        return _advice.decide({f.id: state if f is conditional else "ok" for f in ALL_FIXES}, "0.42.1")
 
     broken = needs("broken")
-    assert broken["no_gradient_correction_needed"] is True and broken["nothing_to_fix"] is False, broken
-    assert broken["needed_only_for"] == {conditional.id: conditional.only_for}, broken
-    assert conditional.id not in broken["corrections"], broken
+    assert broken.word == "keep" and broken.only_for == {conditional.id: conditional.only_for}, broken
+    assert conditional.id not in broken.corrections and conditional.id in broken.sentence(), broken
+    assert conditional.only_for in broken.sentence(), broken.sentence()
     unknown = needs("unknown")
-    assert unknown["no_gradient_correction_needed"] is False and unknown["nothing_to_fix"] is False, unknown
-    assert needs("ok")["nothing_to_fix"] is True
+    assert unknown.word == "apply" and conditional.id in unknown.corrections, unknown
+    assert needs("ok").word == needs("absent").word == "remove"
     monkeypatch.setitem(sys.modules, "diffusers", types.SimpleNamespace(__version__="0.39.0"))
     on_039 = needs("broken")
-    assert on_039["no_gradient_correction_needed"] is False and conditional.id in on_039["corrections"], on_039
+    assert on_039.word == "apply" and conditional.id in on_039.corrections, on_039
 
 
 def test_where_a_bug_is_open_the_doctor_points_at_its_upstream_folder() -> None:
-    """0.42.1 as shipped: each fix found broken that has ``upstream/<id>/`` gets a line naming its ISSUE.md (the
-    source tree's: the wheel does not carry it), in the text and in --json; a fix found fixed gets none."""
+    """0.42.1 as shipped: each fix found broken that has ``upstream/<id>/`` gets a line naming the command that
+    prints its report from the installed package (``explain upstream/<id>``: a wheel carries it), in the text and
+    in --json; a fix found fixed gets none."""
     from diffusers_cudnn_fix.fixes import ALL_FIXES
 
     result = doctor("0.42.1")
     data, text = strict_json(result["json"]["text"]), result["text"]["text"]
-    assert "upstream/cudnn_bool_mask/ISSUE.md in this package's source tree" in text, text
+    assert "upstream: diffusers-cudnn-fix explain upstream/cudnn_bool_mask prints the report" in _words(text), text
     assert "huggingface/diffusers#14342" in _words(text), text
     with_folder = {fix.id for fix in ALL_FIXES if fix.upstream_issue is not None}
     broken = {i for i, state in data["shipped_check"].items() if state == "broken"}
     assert set(data["upstream"]) == with_folder & broken and "cudnn_bool_mask" in data["upstream"], data["upstream"]
     for fix_id, upstream in data["upstream"].items():
         assert upstream["issue"] == f"upstream/{fix_id}/ISSUE.md", upstream
-        assert _words(f"upstream: {upstream['issue']} in this package's source tree ({upstream['holds']})") in _words(
-            text
-        ), fix_id
+        assert upstream["command"] == f"diffusers-cudnn-fix explain upstream/{fix_id}", upstream
+        line = f"upstream: {upstream['command']} prints the report ({upstream['holds']})"
+        assert _words(line) in _words(text), fix_id
     assert "kernel fault" in data["upstream"]["cudnn_masked_row_grads"]["holds"]
     assert_aligned(_fix_table(text))
     # 0.39.0: the ring's bug there is fixed upstream (0.40.0), so its folder (for 0.40+'s bug) is not pointed at.

@@ -247,12 +247,12 @@ def test_internal_error_in_the_hook_warns_and_leaves_diffusers_as_shipped() -> N
         script(
             """
             import diffusers_cudnn_fix._registry as registry
-            real = registry._raw_set
+            real = registry.raw_set
             def half_then_fail(module, target, value):  # fails once the forward's replacement is in
                 if target == "_cudnn_attention_backward_op" and registry._state.installed:
                     raise RuntimeError("boom")
                 return real(module, target, value)
-            registry._raw_set = half_then_fail
+            registry.raw_set = half_then_fail
             import diffusers_cudnn_fix
             import diffusers.models.attention_dispatch as m
             names = ["_cudnn_attention_forward_op", "_cudnn_attention_backward_op",
@@ -423,12 +423,41 @@ def test_reloading_diffusers_module_is_noticed_and_reapplied() -> None:
     assert sorted(f["id"] for f in result["status"]["fixes"] if f["applied"]) == result["before"]
 
 
-def test_info_line_says_the_package_can_go_on_a_fixed_release() -> None:
+@pytest.mark.parametrize("version", ["0.35.2", "0.36.0", "0.39.0", "0.40.0", "0.42.1"])
+def test_one_advice_in_the_log_the_doctor_text_and_its_json(version: str) -> None:
+    """The import-time INFO line, the doctor's first paragraph and its ``--json`` give one computed advice
+    (``apply`` / ``keep`` / ``remove``), in the same words. Before, on 0.42.1 the log said the package "can be
+    removed" for the gradient corrections while the doctor said it still guards padded prompts (#14342), and
+    ``--json`` said ``no_gradient_correction_needed``; on 0.40+ the ring route's correction was left out."""
     result = run(
-        release_dir("0.42.1"),
-        script("import diffusers_cudnn_fix, diffusers.models.attention_dispatch\ndone()\n"),
+        release_dir(version),
+        script(
+            """
+            import contextlib, io
+            import diffusers_cudnn_fix, diffusers.models.attention_dispatch
+            from diffusers_cudnn_fix import __main__ as doctor
+            outputs = {}
+            for args in (["--no-gpu"], ["--no-gpu", "--json"]):
+                out = io.StringIO()
+                with contextlib.redirect_stdout(out):
+                    doctor.main(args)
+                outputs[" ".join(args)] = out.getvalue()
+            done(text=outputs["--no-gpu"], json=json.loads(outputs["--no-gpu --json"]))
+            """
+        ),
         preloaded=True,
     )
-    removable = [line for line in result["logs"] if "can be removed" in line]
-    assert len(removable) == 1 and "0.42.1" in removable[0]
+    data = result["json"]
+    expected = {"0.35.2": "remove", "0.36.0": "apply", "0.39.0": "apply", "0.40.0": "keep", "0.42.1": "keep"}
+    assert data["advice"] == expected[version], data
+    advice_lines = [line for line in result["logs"] if data["advice_text"] in line]
+    assert len(advice_lines) == 1, (data["advice_text"], result["logs"])
+    first_paragraph = " ".join(result["text"].strip().split("\n\n")[0].split())
+    assert data["advice_text"] in first_paragraph, first_paragraph
+    if data["advice"] != "remove":
+        assert not any("can be removed" in line for line in result["logs"]), result["logs"]
+    # The fixes applied are exactly those the advice names as needed (no skip switch is set).
+    applied = sorted(f["id"] for f in result["status"]["fixes"] if f["applied"])
+    needs = data["needs"]
+    assert sorted([*needs["corrections"], *needs["only_for"], *needs["guards"]]) == applied, (needs, applied)
     assert result["warnings"] == []

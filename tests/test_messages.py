@@ -1,5 +1,6 @@
 """Every problem message the package raises or warns: cause, consequence and way out in at most three lines, the
-last naming the docs section where the long explanation lives (``_warnings.explain``), a section that exists.
+last naming the command that prints the docs section where the long explanation lives (``_warnings.explain``:
+``diffusers-cudnn-fix explain <page>#<section>``), a section the command prints.
 
 Each message is triggered as the user meets it, or by calling the function that raises it (in-process, diffusers
 0.39.0 with the stand-in kernels, as conftest sets up). A source scan holds that no other raise or report site
@@ -18,34 +19,25 @@ import pytest
 from releases import ROOT
 
 import diffusers_cudnn_fix
-from diffusers_cudnn_fix import DiffusersCudnnFixWarning, UnsafeAttentionError
+from diffusers_cudnn_fix import DiffusersCudnnFixWarning, UnsafeAttentionError, _explain
 
 PACKAGE = ROOT / "diffusers_cudnn_fix"
-SEE = re.compile(r" See docs/(?P<page>[\w-]+\.md)#(?P<anchor>[\w-]+)\.$")
-
-
-def _anchors(page: str) -> set[str]:
-    """GitHub's anchors of a docs page's headings: lower case, punctuation dropped, spaces to hyphens."""
-    text = (ROOT / "docs" / page).read_text()
-    return {
-        re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
-        for line in text.splitlines()
-        if line.startswith("#")
-    }
+#: The end of a message's third line: the command that prints its docs section (nothing after it, to be copied).
+SEE = re.compile(r" Details: diffusers-cudnn-fix explain (?P<topic>[\w-]+\.md#[\w-]+)$")
 
 
 def assert_explained(message: str, *, section: str | None = None, table: bool = False) -> None:
-    """Three lines (cause, consequence, way out), the last naming an existing docs section (``section`` if
-    given); ``table``: an attached table may follow them."""
+    """Three lines (cause, consequence, way out), the last naming the command that prints a docs section, one
+    that it prints (``section`` if given); ``table``: an attached table may follow them."""
     lines = message.split("\n")
     assert table or len(lines) <= 3, f"{len(lines)} lines:\n{message}"
     assert len(lines) >= 3 and lines[0].startswith("diffusers_cudnn_fix: "), message
     assert all(line.strip() for line in lines[:3]), message
     see = SEE.search(lines[2])
-    assert see is not None, f"the third line names no docs section:\n{message}"
-    assert see["anchor"] in _anchors(see["page"]), f"docs/{see['page']} has no heading #{see['anchor']}"
+    assert see is not None, f"the third line names no explain command:\n{message}"
+    assert _explain.text_of(see["topic"]), f"diffusers-cudnn-fix explain {see['topic']} prints nothing"
     if section is not None:
-        assert f"{see['page']}#{see['anchor']}" == section, message
+        assert see["topic"] == section, message
 
 
 @pytest.fixture()

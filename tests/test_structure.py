@@ -18,15 +18,18 @@ PACKAGE = Path(__file__).resolve().parents[1] / "diffusers_cudnn_fix"
 # Lower numbers sit lower: a module may import only modules on a lower layer (or its own layer's fixes
 # package parts, which import each other through fixes/__init__ only).
 LAYERS = {
+    "_explain": -1,  # the explain command and the command lines messages name: imports nothing of the package
     "_warnings": 0,
     "_target_names": 0,
     "_switches": 1,
     "_devices": 1,
     "_fix": 1,
+    "_ledger": 1,  # what the policies ran (verify's accounting): torch only
     "fixes": 2,  # the fix table: plain data, no torch
     "_layout": 2,
     "_key_padding": 2,
     "_detect": 3,
+    "_advice": 3,  # apply / keep / remove, from the fix table: plain data
     # One module per bug: its check and its policy. A fix module imports no other fix module.
     "fixes.cudnn_forward_lse": 4,
     "fixes.cudnn_backward_kv": 4,

@@ -105,17 +105,26 @@ def test_039_ring_without_the_package_fails() -> None:
     failed("0.39.0", "--nproc", "2", "--ring", "2", "--backend", "_native_cudnn", *SEAMS)
 
 
-def test_039_native_ring_is_refused_by_diffusers() -> None:
+def test_039_native_ring_is_refused_with_the_reason_and_the_way_out() -> None:
+    """diffusers' native backend raises "does not support return_lse" under ring; verify names why (ring merges
+    through the log-sum-exp) and the way out, once, on the verdict line that ends the output."""
     code, out, err, _ = verify("0.39.0", "--nproc", "2", "--ring", "2", "--backend", "native")
     assert code == 2, f"{out}\n{err}"
     assert "COULD NOT RUN (exit status 2)" in out and "does not support return_lse" in out
+    assert "cannot run ring attention" in out and "--ring 1" in out and "--backend _native_cudnn" in out, out
+    assert (out + err).count("does not support return_lse") == 1, f"{out}\n{err}"
+    assert out.rstrip().splitlines()[-1].startswith("verdict: COULD NOT RUN"), out
 
 
 def test_039_fp32_on_cudnn_is_refused_by_the_package() -> None:
     code, out, err, _ = verify("0.39.0", "--nproc", "2", "--dtype", "fp32", "--backend", "_native_cudnn", *SEAMS)
     assert code == 2, f"{out}\n{err}"
     assert "COULD NOT RUN (exit status 2)" in out and "UnsafeAttentionError" in out and "bfloat16" in out
-    assert "rank 1: context-parallel forward and backward: UnsafeAttentionError" in err  # each rank says it
+    # Both ranks meet it: said once, naming both, on the verdict line (it was said three times: rank 0, the
+    # verdict, rank 1).
+    assert "ranks 0, 1: context-parallel forward and backward: UnsafeAttentionError" in out, out
+    assert (out + err).count("UnsafeAttentionError") == 1, f"{out}\n{err}"
+    assert out.rstrip().splitlines()[-1].startswith("verdict: COULD NOT RUN"), out
 
 
 def test_037_flash_ulysses_passes() -> None:
@@ -161,7 +170,9 @@ def test_a_failed_rank_does_not_leave_the_others_waiting(how: str) -> None:
         "crash": "rank 1 was killed by SIGSEGV (a crash inside the process, not a wrong result)",
         "hang": "timed out after 15 s",
     }[how]
-    assert said in err and "stopped rank(s) 0" in err
+    both = out + err
+    assert said in both and "stopped rank(s) 0" in both, both
+    assert both.count(said) == 1 and out.rstrip().splitlines()[-1].startswith("verdict: COULD NOT RUN"), both
     assert wall < 45  # the hang: the 15 s deadline; the exit: GRACE_S (10 s) after it
 
 
@@ -177,7 +188,7 @@ def test_sigterm_to_the_launcher_ends_its_ranks() -> None:
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 2, f"{out}\n{err}"
-    assert "stopped by signal 15" in err and "stopped rank(s) 0, 1" in err
+    assert "stopped by signal 15" in out + err and "stopped rank(s) 0, 1" in out + err
     assert time.monotonic() - started < 30
 
 
@@ -186,13 +197,8 @@ def test_sigterm_to_the_launcher_ends_its_ranks() -> None:
     [
         (("--nproc", "2", "--mask", "padded"), "--model qwen"),
         (("--nproc", "2", "--ulysses", "3"), "world size is 2"),
-        (
-            (
-                "--nproc",
-                "0",
-            ),
-            "at least 1",
-        ),
+        (("--nproc", "0"), "at least 2"),
+        (("--nproc", "1"), "at least 2: context parallelism needs 2 or more ranks"),
         (("--backend",), "expected one argument"),
     ],
 )
@@ -200,6 +206,76 @@ def test_usage_errors_exit_64_before_any_rank_starts(args: tuple[str, ...], says
     code, out, err, _ = verify(None, *args, timeout=60)
     assert code == 64, f"{out}\n{err}"
     assert says in err and "verify [1/6]" not in err
+
+
+def test_a_backend_diffusers_does_not_have_is_a_usage_error_naming_the_valid_ones_once() -> None:
+    code, out, err, _ = verify("0.39.0", "--nproc", "2", "--backend", "_native_cudnnn", timeout=120)
+    assert code == 64, f"{out}\n{err}"
+    assert "'_native_cudnnn' is not an attention backend" in err and "verify [1/6]" not in err, err
+    assert err.count("_native_cudnn,") == 1 and "native" in err, err  # the valid names, listed once
+
+
+# ------------------------------------------------------------------------------------------------------------
+# What the run exercised (#39): by the code that ran, never by what was installed
+# ------------------------------------------------------------------------------------------------------------
+NEEDED_039 = [
+    "cudnn_forward_lse", "cudnn_backward_kv", "flash_backward_kv", "ulysses_mask_grad", "cudnn_bool_mask",
+    "cudnn_input_dtypes", "cudnn_masked_row_grads", "flash_input_alignment", "ring_grad_route",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("package", [True, False], ids=["package", "without-package"])
+def test_039_default_cpu_run_says_it_exercised_none_of_what_the_release_needs(package: bool) -> None:
+    """0.39.0 on a CPU: the default backend, ``native``, runs none of the code 0.39.0 ships broken. The PASS says
+    so on its verdict line and names runs that reach it; ``--without-package`` names diffusers' functions called."""
+    extra = () if package else ("--without-package",)
+    code, out, err, _ = verify("0.39.0", "--nproc", "2", *extra)
+    assert code == 0, f"{out}\n{err}"
+    verdict = out.rstrip().splitlines()[-1]
+    assert verdict.startswith("verdict: PASS") and "NOT exercised by this run: cudnn_forward_lse" in verdict, verdict
+    assert "verify --backend _native_cudnn (on GPUs)" in verdict, verdict
+    found = result(verify("0.39.0", "--json", "--nproc", "2", *extra)[1])
+    assert found["needed"] == NEEDED_039 and found["exercised"] == [], found
+    assert found["not_exercised"] == NEEDED_039, found
+    if package:
+        assert found["functions_reached"] is None and "cudnn_backward_kv" in found["setup"]["applied"], found
+    else:
+        # The native Ulysses path calls diffusers' Ulysses forward (where the mask-grad bug lives), with no mask.
+        assert found["functions_reached"] == ["TemplatedUlyssesAttention.forward"], found
+        assert "_cudnn_attention_backward_op" in found["functions_not_reached"], found
+        assert "ulysses_mask_grad" in found["cannot_tell"], found
+
+
+def test_039_cudnn_run_exercises_the_op_fixes_it_ran_and_not_the_ones_merely_applied() -> None:
+    """On the stand-in kernels with ``_native_cudnn``: the cuDNN op pair's policies ran; the flash fix is applied
+    too but its code never ran, and a fix skipped by the switch is needed and not exercised. Eager and compiled
+    (the marks are made while dynamo traces a policy into the graph)."""
+    args = ("--nproc", "2", "--backend", "_native_cudnn", *SEAMS)
+    found = result(verify("0.39.0", "--json", *args)[1])
+    ops = ["cudnn_forward_lse", "cudnn_backward_kv", "cudnn_input_dtypes"]
+    assert found["exit_status"] == 0 and found["exercised"] == ops, found
+    assert "flash_backward_kv" in found["setup"]["applied"] and "flash_backward_kv" in found["not_exercised"]
+    compiled = result(verify("0.39.0", "--json", *args, "--compile")[1])
+    assert compiled["exit_status"] == 0 and compiled["exercised"] == ops, compiled
+    skipped = result(verify("0.39.0", "--json", *args, env={"DIFFUSERS_CUDNN_FIX_SKIP": "cudnn_input_dtypes"})[1])
+    assert skipped["exit_status"] == 0 and skipped["exercised"] == ops[:2], skipped
+    assert "cudnn_input_dtypes" in skipped["needed"] and "cudnn_input_dtypes" in skipped["not_exercised"], skipped
+
+
+@pytest.mark.parametrize("package", [True, False], ids=["package", "without-package"])
+def test_038_padded_prompts_on_a_cpu_reach_the_qwen_mask_order(package: bool) -> None:
+    """The CPU run that shows a bug on <= 0.38: QwenImage with padded prompts. With the package its mask policies
+    ran (PASS); without, the run reached diffusers' Ulysses forward with the mask (MISMATCH: the bug)."""
+    extra = () if package else ("--without-package",)
+    code, out, err, _ = verify("0.38.0", "--json", "--nproc", "2", "--model", "qwen", "--mask", "padded", *extra)
+    found = result(out)
+    assert code == (0 if package else 1), f"{out}\n{err}"
+    assert "qwen_joint_mask_order" in found["exercised"], found
+    if package:
+        assert found["exercised"] == ["ulysses_mask_grad", "qwen_joint_mask_order"], found
+    else:
+        assert "TemplatedUlyssesAttention.forward" in found["functions_reached"], found
+        assert "cudnn_bool_mask" not in found["exercised"], found  # the cuDNN op, where that bug is, never ran
 
 
 @pytest.mark.parametrize("floor_too", [True, False], ids=["floor-run-also-nan", "floor-run-finite"])

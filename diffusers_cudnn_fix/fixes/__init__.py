@@ -39,47 +39,63 @@ def _mask_note() -> str:
 #: What an upstream folder (``upstream/<id>/``) holds, for the doctor's pointer to it (Fix.upstream_issue).
 PATCH_FOR_DIFFUSERS = "reproducer, fix.patch, test"
 
-#: Fix(id, title, upstream, affected releases, targets, kind="correction", note, only_for_on, old_ids, upstream_issue)
+#: The verify runs that reach the policies (Fix.reached_by): the options, and GPUs where the backend's kernel has no
+#: CPU implementation.
+CUDNN_RUN = "verify --backend _native_cudnn (on GPUs)"
+CUDNN_MASK_RUN = "verify --backend _native_cudnn --model qwen --mask padded (on GPUs)"
+FLASH_RUN = "verify --backend _native_flash (on GPUs)"
+QWEN_MASK_RUN = "verify --model qwen --mask padded (on a CPU too)"
+MASKS = "attention masks"
+
+#: Fix(id, title, upstream, affected releases, targets, kind="correction", note, only_for_on, old_ids, upstream_issue,
+#: matters_to, reached_by, bug_in, reached_when)
 ALL_FIXES: tuple[Fix, ...] = (
     Fix("cudnn_forward_lse", "cuDNN forward op computes no log-sum-exp on the context-parallel training path",
-        PR_14274, ">=0.36.0,<0.40.0", (CUDNN_FORWARD,)),
+        PR_14274, ">=0.36.0,<0.40.0", (CUDNN_FORWARD,), reached_by=CUDNN_RUN),
     Fix("cudnn_backward_kv", "cuDNN backward op transposes the saved K/V a second time",
-        PR_14274, ">=0.36.0,<0.40.0", (CUDNN_BACKWARD,)),
+        PR_14274, ">=0.36.0,<0.40.0", (CUDNN_BACKWARD,), reached_by=CUDNN_RUN),
     Fix("flash_backward_kv", "native-flash backward op transposes the saved K/V a second time",
-        PR_14274, ">=0.37.0,<0.40.0", (FLASH_BACKWARD,)),
+        PR_14274, ">=0.37.0,<0.40.0", (FLASH_BACKWARD,), reached_by=FLASH_RUN),
     Fix("ulysses_grad_count", "Ulysses backward returns one gradient fewer than the forward has inputs",
-        PR_14274, ">=0.36.0,<0.37.0", (ULYSSES_BACKWARD,)),
+        PR_14274, ">=0.36.0,<0.37.0", (ULYSSES_BACKWARD,),
+        reached_by=CUDNN_RUN),
     Fix("ulysses_mask_grad", "Ulysses context parallelism gives a mask that requires grad no gradient, silently",
         "not reported upstream as of diffusers 0.42.1", ">=0.36.0", (ULYSSES_FORWARD,), "guard",
-        upstream_issue=PATCH_FOR_DIFFUSERS),
+        upstream_issue=PATCH_FOR_DIFFUSERS, matters_to=MASKS, reached_by=QWEN_MASK_RUN, reached_when="never"),
     Fix("cudnn_bool_mask", "bool or wrongly typed attention masks are read as an additive bias by the cuDNN CP op",
         "https://github.com/huggingface/diffusers/issues/14342", ">=0.36.0",
         (CUDNN_FORWARD, ULYSSES_FORWARD, ULYSSES_ANYTHING_FORWARD), "guard",
-        note=_mask_note, upstream_issue=f"{PATCH_FOR_DIFFUSERS}; huggingface/diffusers#14342"),
+        note=_mask_note, upstream_issue=f"{PATCH_FOR_DIFFUSERS}; huggingface/diffusers#14342", matters_to=MASKS,
+        reached_by=CUDNN_MASK_RUN, bug_in=(CUDNN_FORWARD,), reached_when="mask"),
     Fix("cudnn_input_dtypes", "fp32 or mixed-dtype q/k/v are accepted by the raw cuDNN op and give garbage",
         "none filed yet: aten::_scaled_dot_product_cudnn_attention checks no dtype", ">=0.36.0", (CUDNN_FORWARD,),
-        "guard", old_ids=("cudnn_fp32_inputs",), upstream_issue=PATCH_FOR_DIFFUSERS),
+        "guard", old_ids=("cudnn_fp32_inputs",), upstream_issue=PATCH_FOR_DIFFUSERS,
+        matters_to="fp32 or mixed-dtype q/k/v", reached_by=CUDNN_RUN, reached_when="never"),
     Fix("cudnn_masked_row_grads",
         "cuDNN's backward gets fully masked query rows wrong when there is one key/value position",
         "none known: a fault of aten::_scaled_dot_product_cudnn_attention_backward (cuDNN 9.19)", ">=0.36.0",
         (CUDNN_BACKWARD,), "guard",
         upstream_issue="a cuDNN kernel fault: its PyTorch-level reproducer, and fix.patch, the workaround diffusers "
-        "could carry"),
+        "could carry", matters_to=MASKS, reached_by=CUDNN_MASK_RUN, reached_when="never"),
     Fix("flash_cp_ignored",
         "0.36.0's _native_flash backend ignores context parallelism: each rank attends to its own shard, silently",
         "not reported upstream; 0.37.0 runs the backend through context-parallel attention", ">=0.36.0,<0.37.0",
-        (FLASH_BACKEND,), "guard"),
+        (FLASH_BACKEND,), "guard",
+        matters_to="_native_flash set after enable_parallelism", reached_by=FLASH_RUN, reached_when="never"),
     Fix("flash_input_alignment",
         "the native-flash CP forward hands the flash kernel q/k/v off 16 bytes (misaligned address on a GPU)",
         "not reported upstream as of diffusers 0.42.1", ">=0.37.0", (FLASH_FORWARD,), "guard",
-        upstream_issue=PATCH_FOR_DIFFUSERS),
+        upstream_issue=PATCH_FOR_DIFFUSERS, matters_to="native flash with one head or token per rank",
+        reached_by=FLASH_RUN, reached_when="never"),
     Fix("qwen_joint_mask_order",
         "QwenImage's joint mask meets Ulysses' K/V in another token order: padded prompts train wrong",
         "fixed in diffusers 0.39.0 (the plan shards the mask; Ulysses all-gathers it)", ">=0.36.0,<0.39.0",
-        (ULYSSES_FORWARD, ULYSSES_ANYTHING_FORWARD, QWEN_PROCESSOR)),
+        (ULYSSES_FORWARD, ULYSSES_ANYTHING_FORWARD, QWEN_PROCESSOR), reached_by=QWEN_MASK_RUN,
+        bug_in=(ULYSSES_FORWARD, ULYSSES_ANYTHING_FORWARD), reached_when="mask"),
     Fix("ring_grad_route", "ring/unified context parallelism's backward gives wrong K/V gradients: every ring step "
         "reuses the first step's tensors (0.36-0.39), or the gradients go the wrong way round from ring degree 3",
         f"{PR_14274} fixed the first; the route is not reported upstream", ">=0.36.0", (RING_FORWARD, RING_BACKWARD),
         only_for_on=(">=0.40.0", "ring attention at ring_degree >= 3, or with a mask or dropout"),
-        old_ids=("ring_backward",), upstream_issue=PATCH_FOR_DIFFUSERS),
+        old_ids=("ring_backward",), upstream_issue=PATCH_FOR_DIFFUSERS, bug_in=(RING_BACKWARD,),
+        reached_by="verify --ring 2 --backend _native_cudnn (on GPUs; ring degree 3 or more for 0.40's route)"),
 )  # fmt: skip

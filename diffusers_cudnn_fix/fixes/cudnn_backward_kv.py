@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .. import _detect
+from .. import _detect, _ledger
 from .._fix import Finding, Lookup
 from .._layout import lse_with_ndim, reject_per_step_tensors, with_strides_of
 from . import CUDNN_BACKWARD, CUDNN_FORWARD
@@ -31,6 +31,8 @@ LSE_NDIM = _detect.cudnn_lse_ndim()
 def corrected_backward(ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
     """cuDNN attention backward for diffusers' templated attention, corrected: ``grad_out`` (B, S, H, D) in,
     (dq, dk, dv) in (B, S, H, D) out; raises where the forward saved no log-sum-exp."""
+    if _ledger.recording:
+        _ledger.reached(FIX_ID)
     if kwargs:
         reject_per_step_tensors(kwargs, FIX_ID)
     q, k, v, out, lse, cum_seq_q, cum_seq_k, philox_seed, philox_offset = ctx.saved_tensors

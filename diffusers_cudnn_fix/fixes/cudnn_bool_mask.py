@@ -15,11 +15,14 @@ from typing import Any
 
 import torch
 
-from .. import _detect, _switches, _warnings
+from .. import _detect, _ledger, _switches, _warnings
 from .._fix import Finding, Lookup, shipped_of
 from .._key_padding import remembered
 from .._warnings import MaskConvertedWarning, MaskMisreadWarning, UnsafeAttentionError, explain
 from . import CUDNN_BACKWARD, CUDNN_FORWARD, ULYSSES_ANYTHING_FORWARD, ULYSSES_FORWARD
+
+#: The record's id (the module is named after it: the registry finds the check so), for the policy's mark.
+FIX_ID = __name__.rpartition(".")[2]
 
 ISSUE = "huggingface/diffusers#14342"
 SECTION = "fixes.md#cudnn_bool_mask"
@@ -53,6 +56,8 @@ def mask_policy(
     the one the op computes in: q's, or autocast's where autocast is on."""
     if attn_mask is None:
         return None
+    if _ledger.recording:
+        _ledger.reached(FIX_ID)
     if attn_mask.requires_grad:
         raise UnsafeAttentionError(explain("the attention mask requires grad, but diffusers' context-parallel cuDNN op"
             " gives it no gradient.", "Its .grad would silently stay None, so the call is refused.",

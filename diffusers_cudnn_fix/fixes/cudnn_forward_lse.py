@@ -12,11 +12,14 @@ from typing import Any
 
 import torch
 
-from .. import _detect
+from .. import _detect, _ledger
 from .._fix import Finding, Lookup
 from .._layout import backward_may_follow, kernel_layout
 from .._warnings import explain
 from . import CUDNN_FORWARD
+
+#: The record's id (the module is named after it: the registry finds the check so), for the policy's mark.
+FIX_ID = __name__.rpartition(".")[2]
 
 
 def corrected_forward(
@@ -26,6 +29,8 @@ def corrected_forward(
     """cuDNN attention forward for diffusers' templated attention, corrected: (B, S, H, D) in, ``out``
     (B, S, H, D) or ``(out, lse)`` out; saves what the shipped op saves, with the log-sum-exp whenever a
     backward may follow."""
+    if _ledger.recording:
+        _ledger.reached(FIX_ID)
     if enable_gqa:
         raise ValueError("`enable_gqa` is not yet supported for cuDNN attention.")
     q, k, v = kernel_layout(query, key, value)

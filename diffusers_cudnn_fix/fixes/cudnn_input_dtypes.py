@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from .. import _detect
+from .. import _detect, _ledger
 from .._fix import Finding, Lookup
 from .._warnings import UnsafeAttentionError, explain
 from . import CUDNN_FORWARD
+
+#: The record's id (the module is named after it: the registry finds the check so), for the policy's mark.
+FIX_ID = __name__.rpartition(".")[2]
 
 _SUPPORTED = (torch.float16, torch.bfloat16)
 
@@ -23,6 +26,8 @@ def refuse_unsupported_dtypes(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None
 ) -> torch.Tensor | None:
     """Raises for the dtypes the cuDNN kernel silently gets wrong; passes the mask on untouched."""
+    if _ledger.recording:
+        _ledger.reached(FIX_ID)
     if query.dtype not in _SUPPORTED or not query.dtype == key.dtype == value.dtype:
         raise UnsafeAttentionError(explain(f"q/k/v of dtypes {query.dtype}/{key.dtype}/{value.dtype} reached diffusers'"
             " context-parallel cuDNN attention op, which needs q, k and v of one dtype, float16 or bfloat16.", "It"

@@ -14,9 +14,12 @@ from typing import Any
 
 import torch
 
-from .. import _detect
+from .. import _detect, _ledger
 from .._fix import Finding, Lookup
 from . import CUDNN_BACKWARD, CUDNN_FORWARD
+
+#: The record's id (the module is named after it: the registry finds the check so), for the policy's mark.
+FIX_ID = __name__.rpartition(".")[2]
 
 #: The kernels compute the softmax as exp2(score * log2(e) - max).
 _LOG2E = 1.4426950408889634
@@ -29,6 +32,8 @@ def without_masked_rows(grad_out: torch.Tensor, mask: Any) -> torch.Tensor:
     (B, H, S_q, S_kv)). Anything other than a floating mask whose last dimension is 1 returns ``grad_out``
     unchanged.
     """
+    if _ledger.recording:
+        _ledger.reached(FIX_ID)
     floating = isinstance(mask, torch.Tensor) and mask.is_floating_point()
     if not floating or not 2 <= mask.dim() <= 4 or mask.shape[-1] != 1:
         return grad_out

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .. import _detect, _devices
+from .. import _detect, _devices, _ledger
 from .._fix import Finding, Lookup
 from .._layout import reject_per_step_tensors, with_strides_of
 from . import FLASH_BACKWARD, FLASH_FORWARD
@@ -23,6 +23,8 @@ FIX_ID = "flash_backward_kv"
 def corrected_backward(ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
     """Native flash attention backward for diffusers' templated attention, corrected: ``grad_out``
     (B, S, H, D) in, (dq, dk, dv) in (B, S, H, D) out."""
+    if _ledger.recording:
+        _ledger.reached(FIX_ID)
     if kwargs:
         reject_per_step_tensors(kwargs, FIX_ID)
     # The flash forward may be diffusers' own: this is the first corrected op a flash run reaches. It runs on

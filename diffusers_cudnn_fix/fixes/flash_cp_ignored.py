@@ -15,10 +15,13 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .. import _detect
+from .. import _detect, _ledger
 from .._fix import Finding, Lookup, shipped_of
 from .._warnings import UnsafeAttentionError, explain
 from . import FLASH_BACKEND
+
+#: The record's id (the module is named after it: the registry finds the check so), for the policy's mark.
+FIX_ID = __name__.rpartition(".")[2]
 
 #: The global of diffusers' attention module that is the templated context-parallel path.
 TEMPLATED = "_templated_context_parallel_attention"
@@ -40,6 +43,8 @@ def spreads(parallel_config: Any) -> bool:
 
 def refuse_context_parallel(parallel_config: Any) -> None:
     """Raises where the backend would run under context parallelism (it ignores it)."""
+    if _ledger.recording:
+        _ledger.reached(FIX_ID)
     if parallel_config is not None and spreads(parallel_config):
         raise UnsafeAttentionError(MESSAGE)
 

@@ -18,6 +18,9 @@ from .._fix import Finding, Lookup
 from .._layout import ALIGNMENT
 from . import FLASH_FORWARD
 
+#: The record's id (the module is named after it: the registry finds the check so), for its policy's mark (targets/).
+FIX_ID = __name__.rpartition(".")[2]
+
 
 def check(lookup: Lookup) -> Finding:
     forward = lookup(FLASH_FORWARD)

@@ -19,11 +19,14 @@ from typing import Any
 
 import torch
 
-from .. import _detect
+from .. import _detect, _ledger
 from .._fix import Finding, Lookup, shipped_of
 from .._key_padding import remembered
 from .._target_names import QWEN_PROCESSOR, ULYSSES_ANYTHING_FORWARD, ULYSSES_FORWARD
 from .._warnings import UnsafeAttentionError, explain
+
+#: The record's id (the module is named after it: the registry finds the check so), for the policy's mark.
+FIX_ID = __name__.rpartition(".")[2]
 
 QWEN_MODULE = QWEN_PROCESSOR.partition(":")[0]
 QWEN_MODEL = "QwenImageTransformer2DModel"
@@ -184,6 +187,8 @@ def in_kv_order(
     text_local = TEXT_LEN.get()
     if text_local is None:
         return attn_mask
+    if _ledger.recording:
+        _ledger.reached(FIX_ID)
     problem = _layout_problem(attn_mask, query, key, degree, text_local, anything)
     # A mask built once and handed to every layer is read, and reordered, once per mask object and version.
     if problem is None:

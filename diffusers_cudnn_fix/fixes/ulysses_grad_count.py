@@ -12,6 +12,9 @@ from .. import _detect
 from .._fix import Finding, Lookup, State, shipped_of
 from . import ULYSSES_BACKWARD, ULYSSES_FORWARD
 
+#: The record's id (the module is named after it: the registry finds the check so), for its policy's mark (targets/).
+FIX_ID = __name__.rpartition(".")[2]
+
 
 def check(lookup: Lookup) -> Finding:
     forward, backward = lookup(ULYSSES_FORWARD), lookup(ULYSSES_BACKWARD)

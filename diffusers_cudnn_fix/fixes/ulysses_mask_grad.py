@@ -14,10 +14,13 @@ import types
 
 import torch
 
-from .. import _detect
+from .. import _detect, _ledger
 from .._fix import Finding, Lookup, shipped_of
 from .._warnings import UnsafeAttentionError, explain
 from . import ULYSSES_BACKWARD, ULYSSES_FORWARD
+
+#: The record's id (the module is named after it: the registry finds the check so), for the policy's mark.
+FIX_ID = __name__.rpartition(".")[2]
 
 #: diffusers' context-parallel entry, which calls the Ulysses class (and every other templated class).
 TEMPLATED = "_templated_context_parallel_attention"
@@ -33,6 +36,8 @@ MESSAGE = explain("the attention mask requires grad, but diffusers' Ulysses cont
 
 def refuse_mask_grad(attn_mask: torch.Tensor) -> None:
     """Raises for a mask that requires grad (diffusers gives it none)."""
+    if _ledger.recording:
+        _ledger.reached(FIX_ID)
     if attn_mask.requires_grad:
         raise UnsafeAttentionError(MESSAGE)
 

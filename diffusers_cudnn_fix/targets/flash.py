@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
+from .. import _ledger
 from .._detect import FLASH_FORWARD_KERNEL, refuses_gqa
 from .._fix import Lookup
 from .._layout import entering, realigned_all
-from ..fixes import FLASH_BACKEND, FLASH_BACKWARD, FLASH_FORWARD
+from ..fixes import FLASH_BACKEND, FLASH_BACKWARD, FLASH_FORWARD, flash_input_alignment
 from ..fixes.flash_backward_kv import corrected_backward
 from ..fixes.flash_cp_ignored import refuse_context_parallel, refuses_return_lse
 
@@ -46,6 +47,8 @@ def aligned_forward(shipped: Any) -> Any:
         if gqa_refused and kwargs.get("enable_gqa", len(args) > _GQA_AFTER_V and args[_GQA_AFTER_V]):
             return shipped(ctx, query, key, value, *args, **kwargs)  # diffusers' own error for an input it rejects
         entering(query)  # where the GPU probe first runs for users of the flash backend only
+        if _ledger.recording:
+            _ledger.reached(flash_input_alignment.FIX_ID)
         return shipped(ctx, *realigned_all(query, key, value), *args, **kwargs)
 
     native_flash_attention_forward_op.__doc__ = "diffusers' native-flash forward op, handed q/k/v on 16 bytes."

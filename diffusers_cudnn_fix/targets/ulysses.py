@@ -19,9 +19,17 @@ from typing import Any
 
 import torch
 
+from .. import _ledger
 from .._detect import CUDNN_FORWARD_KERNEL, FLASH_FORWARD_KERNEL, input_count, refuses_gqa
 from .._fix import Lookup
-from ..fixes import CUDNN_FORWARD, FLASH_FORWARD, ULYSSES_ANYTHING_FORWARD, ULYSSES_BACKWARD, ULYSSES_FORWARD
+from ..fixes import (
+    CUDNN_FORWARD,
+    FLASH_FORWARD,
+    ULYSSES_ANYTHING_FORWARD,
+    ULYSSES_BACKWARD,
+    ULYSSES_FORWARD,
+    ulysses_grad_count,
+)
 from ..fixes.cudnn_bool_mask import mask_policy
 from ..fixes.qwen_joint_mask_order import QWEN_PROCESSOR, in_kv_order, processor
 from ..fixes.ulysses_mask_grad import refuse_mask_grad
@@ -102,6 +110,8 @@ def backward(shipped: Any, inputs: int) -> Any:
     """diffusers' Ulysses backward ``shipped``, its result padded with ``None`` to one gradient per input."""
 
     def ulysses_attention_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> Any:
+        if _ledger.recording:
+            _ledger.reached(ulysses_grad_count.FIX_ID)
         grads = tuple(shipped(ctx, grad_out, *args))
         return grads + (None,) * (inputs - len(grads))
 
