@@ -47,7 +47,10 @@ def compiled_cases(request) -> dict:
         f"import subprocess_compile_matrix as s; s.main({order!r}, s.GPU_BACKENDS, device='cuda')",
         timeout=540,
     )
-    result.pop("_stderr", None)
+    # The interpreter's own exit, after the compiled Ulysses path with bool masks: no traceback the package caused
+    # (the mask cache's weakref callback once ran after module teardown: "Exception ignored in ... remembered").
+    stderr = result.pop("_stderr", "")
+    assert "Exception ignored" not in stderr, stderr[-4000:]
     folder = os.environ.get("DIFFUSERS_CUDNN_FIX_RESULTS")
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
