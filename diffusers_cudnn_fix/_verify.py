@@ -802,7 +802,7 @@ def render(result: dict[str, Any]) -> str:
     )
     lines = [
         f"diffusers {s['diffusers']}, torch {s['torch']}, {s['device']}; package {s['package']}"
-        + (f" (applied: {', '.join(s['applied'])})" if s["applied"] else ""),
+        + (f" (applied: {', '.join(s['applied'])}; what this run exercised: below the table)" if s["applied"] else ""),
         f"tiny {s['model']}, {s['world_size']} ranks: ulysses {s['ulysses']} x ring {s['ring']}, "
         f"backend {s['backend']}, {s['dtype']}, mask {s['mask']}, compile {on[s['compile']]}, "
         f"checkpointing {on[s['checkpointing']]}, seed {s['seed']}",
