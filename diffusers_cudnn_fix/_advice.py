@@ -50,10 +50,11 @@ class Advice:
         if self.word == "remove":
             return f"{release} needs none of this package's fixes: it changes nothing here and can be removed."
         if self.word == "apply":
-            ids = ", ".join(self.corrections)
+            others = [*self.only_for, *self.guards]
+            also = f", and has other bugs it handles ({', '.join(others)})" if others else ""
             return (
-                f"{release} needs this package's gradient corrections ({ids}) for context-parallel training: keep "
-                "it imported in every process of the training run."
+                f"{release} needs this package's gradient corrections ({', '.join(self.corrections)}) for "
+                f"context-parallel training{also}: keep it imported in every process of the training run."
             )
         *most, last = self.cases() or ["the cases the doctor lists"]
         uses = f"{', '.join(most)}, or {last}" if most else last
