@@ -1,6 +1,12 @@
 """Side-by-side GPU timings of the corrected cuDNN ops, in one process, printed as ratios.
 
     python benchmarks/bench_gpu.py [--out results.json]
+    python benchmarks/bench_gpu.py --dry-run   # on the CPU: what each section builds and calls, once, untimed
+
+Exit status 1 when a section raised (its traceback is printed and kept in the results, the other sections run).
+``--dry-run`` runs every section on the CPU stand-in kernels (``tests/standin_kernels.py``) at tiny shapes, each
+timed call made once and not timed, so that a rename in the package or in diffusers fails there
+(``tests/test_benchmarks.py``) rather than in a GPU session.
 
 Needs a CUDA GPU with cuDNN SDPA and diffusers 0.39.0 and 0.40.0 in ``.cache/diffusers`` (``tests/releases.py``
 installs them; ``DIFFUSERS_WHEELS`` points pip at local wheels). 0.39.0 is imported and patched; 0.40.0's
@@ -54,7 +60,14 @@ from harness import op_pair, pair_config  # noqa: E402
 from releases import release_dir  # noqa: E402
 
 SHAPES = ((1, 4096, 24, 128), (2, 1024, 16, 64))
+#: The one shape of the mask and key-padding sections.
+SECTION_SHAPE = (1, 4096, 24, 128)
+#: ``--dry-run``: tiny shapes of the same kinds (the key-padding section pads up to half of the keys by eighths).
+DRY_SHAPES = ((1, 64, 2, 16), (2, 32, 2, 16))
+DRY_SECTION_SHAPE = (1, 64, 2, 16)
 CP = pair_config()
+#: Set by ``--dry-run``: each timed call runs once, untimed (the timers below return 1.0 ms).
+DRY_RUN = False
 
 
 class Ctx:
@@ -67,6 +80,9 @@ class Ctx:
 def cuda_median_ms(fn: Callable[[], Any], warmup: int = 10, iters: int = 50) -> float:
     import torch
 
+    if DRY_RUN:
+        fn()
+        return 1.0
     for _ in range(warmup):
         fn()
     times = []
@@ -85,6 +101,9 @@ def cuda_loop_ms(fn: Callable[[], Any], warmup: int = 2, iters: int = 15) -> flo
     layers of a model run: the host's work for a call overlaps the GPU's work for the one before."""
     import torch
 
+    if DRY_RUN:
+        fn()
+        return 1.0
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -108,6 +127,7 @@ def interleaved_ratios(
     """For each of ``names``: its time over ``base``'s, per round (``timer`` over ``iters`` calls each, the two
     measured back to back, which one first alternating by round); the median, min and max of those ratios."""
     per_round: dict[str, list[float]] = {name: [] for name in names}
+    rounds = 1 if DRY_RUN else rounds
     for index in range(rounds):
         for name in names:
             order = [base, name] if index % 2 == 0 else [name, base]
@@ -144,7 +164,7 @@ def mask_section(
     dev: Any,
     results: dict[str, Any],
     layers: int = 8,
-    shape: tuple[int, int, int, int] = (1, 4096, 24, 128),
+    shape: tuple[int, int, int, int] = SECTION_SHAPE,
 ) -> None:
     """Cost of the bool-mask conversion (``convert`` mode) on a real shape; see the module docstring."""
     import warnings
@@ -230,6 +250,8 @@ def kernel_times(fn: Callable[[], Any], torch: Any, calls: int = 10) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     fn()
+    if DRY_RUN:
+        return "not profiled (dry run)"
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
@@ -247,7 +269,7 @@ def keypad_section(
     torch: Any,
     dev: Any,
     results: dict[str, Any],
-    shape: tuple[int, int, int, int] = (1, 4096, 24, 128),
+    shape: tuple[int, int, int, int] = SECTION_SHAPE,
     profile: bool = False,
 ) -> None:
     """Key-padding masks on the valid keys alone vs the biased path; see the module docstring."""
@@ -386,6 +408,7 @@ def keypad_section(
 
 
 def main() -> None:
+    global DRY_RUN
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path)
     parser.add_argument(
@@ -394,63 +417,92 @@ def main() -> None:
         help="comma-separated: probe, ops, mask, keypad (and profile: keypad's kernels too)",
     )
     parser.add_argument("--release", default="0.39.0", help="diffusers release to import (probe/ops/mask need 0.39.0)")
+    parser.add_argument("--dry-run", action="store_true", help="on the CPU stand-ins, tiny shapes, nothing timed")
     args = parser.parse_args()
+    DRY_RUN = args.dry_run
+    if DRY_RUN:
+        print("dry run: the CPU stand-in kernels at tiny shapes; every time below is a placeholder, not a measurement")
     sections = set(args.sections.split(","))
     sys.path.insert(0, str(release_dir(args.release)))
     import diffusers.models.attention_dispatch as m039
     import torch
 
+    if DRY_RUN:
+        import standin_kernels
+
+        standin_kernels.register()  # before the package's import, as the tests do
     import diffusers_cudnn_fix
     from diffusers_cudnn_fix import _probe as probe
 
     assert diffusers_cudnn_fix.status().ok
-    dev = torch.device("cuda")
+    dev = torch.device("cpu" if DRY_RUN else "cuda")
+    shapes, shape = (DRY_SHAPES, DRY_SECTION_SHAPE) if DRY_RUN else (SHAPES, SECTION_SHAPE)
     torch.ones(1, device=dev)  # the CUDA context exists from here on
     # Load cuDNN's SDPA engines with one call at a shape the probe does not use, as a training run's own first
     # attention call does: the probe's first call then pays for its own shapes only.
     warm = torch.randn(1, 4, 256, 128, device=dev, dtype=torch.bfloat16)
     torch.ops.aten._scaled_dot_product_cudnn_attention(warm, warm, warm, None, True)
-    torch.cuda.synchronize()
+    if not DRY_RUN:
+        torch.cuda.synchronize()
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": "none (dry run)" if DRY_RUN else torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "cudnn": torch.backends.cudnn.version(),
         "command": "python benchmarks/bench_gpu.py " + " ".join(sys.argv[1:]),
     }
 
-    if "probe" in sections or "ops" in sections:
+    # Each section on its own: one that raises is reported and fails the run (exit 1); the others still run.
+    runs: dict[str, Callable[[], None]] = {
+        "probe_and_ops": lambda: probe_and_ops(sections, results, torch, dev, m039, probe, shapes),
+        "mask": lambda: mask_section(m039, torch, dev, results, shape=shape),
+        "keypad": lambda: keypad_section(m039, torch, dev, results, shape=shape, profile="profile" in sections),
+    }
+    wanted = {"probe_and_ops": bool(sections & {"probe", "ops"}), "mask": "mask" in sections}
+    wanted["keypad"] = "keypad" in sections
+    failed = []
+    for name, run in runs.items():
+        if not wanted[name]:
+            continue
         try:
-            probe_and_ops(args, sections, results, torch, dev, m039, probe)
+            run()
         except Exception:
             import traceback
 
-            results["probe_and_ops_failed"] = traceback.format_exc()
-            print(results["probe_and_ops_failed"])
-    if "mask" in sections:
-        mask_section(m039, torch, dev, results)
-    if "keypad" in sections:
-        keypad_section(m039, torch, dev, results, profile="profile" in sections)
+            results[f"{name}_failed"] = traceback.format_exc()
+            print(f"\nsection {name} failed:\n{results[f'{name}_failed']}", file=sys.stderr)
+            failed.append(name)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))
+    if failed:
+        sys.exit(f"bench_gpu.py: section(s) failed: {', '.join(failed)}")
+    if DRY_RUN:
+        print(f"dry run: sections {', '.join(n for n in runs if wanted[n])} built and called once each")
 
 
 def probe_and_ops(
-    args: Any, sections: set[str], results: dict[str, Any], torch: Any, dev: Any, m039: Any, probe: Any
+    sections: set[str],
+    results: dict[str, Any],
+    torch: Any,
+    dev: Any,
+    m039: Any,
+    probe: Any,
+    shapes: tuple[tuple[int, int, int, int], ...] = SHAPES,
 ) -> None:
     import diffusers_cudnn_fix
+    from diffusers_cudnn_fix import _devices
+    from diffusers_cudnn_fix._registry import callable_of
+    from diffusers_cudnn_fix._target_names import CUDNN_BACKWARD, CUDNN_FORWARD
     from diffusers_cudnn_fix.targets import cudnn
 
     ops040 = load_040_ops()
-    shipped_fwd = diffusers_cudnn_fix.get_original("_cudnn_attention_forward_op")
+    shipped_fwd = diffusers_cudnn_fix.get_original(CUDNN_FORWARD)
     # The corrected ops alone: the replacements built with the K/V and log-sum-exp corrections only.
-    callable_of = diffusers_cudnn_fix._registry.callable_of
     corrected_fwd = cudnn.forward_op(callable_of(shipped_fwd), frozenset({"cudnn_forward_lse"}))
     corrected_bwd = cudnn.backward_op(
-        callable_of(diffusers_cudnn_fix.get_original(cudnn.BACKWARD)), frozenset({"cudnn_backward_kv"})
+        callable_of(diffusers_cudnn_fix.get_original(CUDNN_BACKWARD)), frozenset({"cudnn_backward_kv"})
     )
-    from diffusers_cudnn_fix import _devices
 
     # The probe first: its first call in this process is what a training run pays.
     _devices._results.clear()
@@ -476,7 +528,7 @@ def probe_and_ops(
     if "ops" not in sections:
         return
 
-    for batch, seq, heads, dim in SHAPES:
+    for batch, seq, heads, dim in shapes:
         key = f"B={batch} S={seq} H={heads} D={dim}"
         gen = torch.Generator(device=dev).manual_seed(0)
         q, k, v, g = (
@@ -512,7 +564,7 @@ def probe_and_ops(
         _devices.record(first)
         call, ctx = fwd_of(m039._cudnn_attention_forward_op)
         row["fwd as installed (guards + corrected)"] = cuda_median_ms(call)
-        call, _ = fwd_of(diffusers_cudnn_fix._registry.callable_of(shipped_fwd))
+        call, _ = fwd_of(callable_of(shipped_fwd))
         row["fwd 0.39 shipped (no LSE)"] = cuda_median_ms(call)
         call, ctx = fwd_of(ops040["_cudnn_attention_forward_op"])
         row["fwd 0.40 op"] = cuda_median_ms(call)

@@ -10,8 +10,9 @@ mask's memory layout) and tries candidate remedies on the same inputs:
 * ``finfo_min``: ``finfo(dtype).min`` as the fill instead of ``-inf``.
 
 Run: ``python benchmarks/probe_dead_rows.py --out results.json`` (prints one line per wrong case and a
-summary; the file holds the status counts per group and every case that was not right). The rule for
-"wrong" is the GPU probe's: an error above 5x the same computation's eager error in the low precision
+summary; the file holds the status counts per group and every case that was not right). ``--dry-run``: the first
+cases of the grid on the CPU stand-in kernels (``tests/standin_kernels.py``), to check the set-up, not the kernels.
+The rule for "wrong" is the GPU probe's: an error above 5x the same computation's eager error in the low precision
 (+1e-3), or a NaN where the reference has none. A fully masked row's reference is 0; a row counts as fully
 masked where the kernels read it so (``masked_rows``).
 """
@@ -21,18 +22,22 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 NAMES = ("out", "dq", "dk", "dv")
+#: Where the cases run: "cpu" (the stand-in kernels) with ``--dry-run``.
+DEVICE = "cuda"
 
 
 def poison() -> None:
     """Fill memory the caching allocator will hand out next with NaN, so a kernel reading unwritten or
     foreign memory cannot pass by luck."""
-    junk = torch.empty(64 << 20, dtype=torch.float32, device="cuda").fill_(float("nan"))
+    junk = torch.empty(64 << 20 if DEVICE == "cuda" else 1024, dtype=torch.float32, device=DEVICE).fill_(float("nan"))
     del junk
 
 
@@ -77,26 +82,27 @@ def kernel(q, k, v, bias, g, *, zero_dead_grad: bool = False, pad_kv: bool = Fal
 
 
 def case(b, h, sq, skv, d, dtype, fill, dead_row, bias_layout, remedy, seed) -> dict[str, Any]:
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, g = (torch.randn(b, h, sq, d, generator=gen, device="cuda").to(dtype) for _ in range(2))
-    k, v = (torch.randn(b, h, skv, d, generator=gen, device="cuda").to(dtype) for _ in range(2))
-    keep = torch.rand(b, 1, sq, skv, generator=gen, device="cuda") < 0.75
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q, g = (torch.randn(b, h, sq, d, generator=gen, device=DEVICE).to(dtype) for _ in range(2))
+    k, v = (torch.randn(b, h, skv, d, generator=gen, device=DEVICE).to(dtype) for _ in range(2))
+    keep = torch.rand(b, 1, sq, skv, generator=gen, device=DEVICE) < 0.75
     keep[..., 0] = True
     if dead_row:
         keep[:, :, sq // 2, :] = False
     value = float("-inf") if fill == "-inf" else torch.finfo(dtype).min
     if bias_layout == "dense":
-        bias = torch.zeros(b, 1, sq, skv, dtype=dtype, device="cuda").masked_fill_(~keep, value)
+        bias = torch.zeros(b, 1, sq, skv, dtype=dtype, device=DEVICE).masked_fill_(~keep, value)
     else:  # "padded": the same values in a buffer whose rows are 8-aligned (a view, S_kv not a multiple of 8)
         width = (skv + 7) // 8 * 8
-        buf = torch.zeros(b, 1, sq, width, dtype=dtype, device="cuda")
+        buf = torch.zeros(b, 1, sq, width, dtype=dtype, device=DEVICE)
         bias = buf[..., :skv].masked_fill_(~keep, value)
     poison()
     ref = eager(q.double(), k.double(), v.double(), bias.double(), g.double(), torch.float64)
     low = eager(q, k, v, bias, g, dtype)
     try:
         got = kernel(q, k, v, bias, g, zero_dead_grad=remedy == "zero_dead_grad", pad_kv=remedy == "pad_kv")
-        torch.cuda.synchronize()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
     except RuntimeError as exc:
         return {"status": "raised", "error": str(exc).splitlines()[0][:160]}
     errors, wrong = {}, []
@@ -110,10 +116,18 @@ def case(b, h, sq, skv, d, dtype, fill, dead_row, bias_layout, remedy, seed) -> 
 
 
 def main() -> None:
+    global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="probe-dead-rows.json")
     parser.add_argument("--budget", type=float, default=120.0, help="seconds; stops starting cases after")
+    parser.add_argument("--dry-run", action="store_true", help="a few cases on the CPU stand-in kernels")
     args = parser.parse_args()
+    if args.dry_run:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        import standin_kernels
+
+        standin_kernels.register()
+        DEVICE = "cpu"
     deadline = time.monotonic() + args.budget
     grid = itertools.product(
         (1, 2, 3, 5, 8, 9, 16),  # S_kv
@@ -128,7 +142,7 @@ def main() -> None:
     )
     rows: list[dict[str, Any]] = []
     for skv, sq, h, d, dtype, fill, dead_row, layout, remedy in grid:
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or (args.dry_run and len(rows) == 4):
             break
         if not dead_row and remedy == "zero_dead_grad":
             continue

@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     from ._devices import ProbeResult
     from ._report import Report
 
-__version__ = "0.4.0"
+__version__ = "0.5.0.dev0"
 
 #: What :func:`is_patched` and :func:`get_original` take: the attributes of
 #: ``diffusers.models.attention_dispatch`` the fixes may replace, bare or with that module's dotted name before them,

@@ -38,9 +38,7 @@ def test_the_advice_follows_its_definition(states: dict[str, str], version: str 
     needed = [fix for fix in ALL_FIXES if states[fix.id] not in QUIET]
     # A correction every run needs: found broken (and not one for some runs only on this release), or unknown.
     everyone = [
-        fix.id
-        for fix in needed
-        if fix.kind == "correction" and (states[fix.id] == "unknown" or fix.id not in only_for)
+        fix.id for fix in needed if fix.kind == "correction" and (states[fix.id] == "unknown" or fix.id not in only_for)
     ]
     assert advice.needed == tuple(fix.id for fix in needed)
     assert advice.corrections == tuple(everyone)

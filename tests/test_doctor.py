@@ -102,7 +102,7 @@ def doctor(version: str) -> dict:
 def _doctor_process(version: str | None, *args: str, hide_diffusers: Path | None = None) -> subprocess.CompletedProcess:
     """``python -m diffusers_cudnn_fix ARGS`` with release ``version`` first on the path; ``hide_diffusers``: a
     folder in which to make a ``diffusers`` that is not there, whatever this interpreter has installed (the
-    README's set-up puts diffusers into the checkout's .venv, which runs the tests)."""
+    README's set-up puts diffusers into the checkout's .venv)."""
     paths = ([str(release_dir(version))] if version else []) + [str(ROOT), str(TESTS)]
     if hide_diffusers is not None:
         stub = hide_diffusers / "diffusers"
