@@ -127,7 +127,7 @@ def trim(
         or given.is_inference()  # no version counter: a plan could not be cached
         or dropout_p
         or is_causal
-        # Ring attention hands the op K/V chunks (and refuses masks).
+        # Ring attention hands the op each step's K/V chunk with its mask columns: no trim inside the steps.
         or getattr(getattr(parallel_config, "context_parallel_config", None), "ring_degree", 1) > 1
         # The backward that will run could not scatter the K/V gradients back.
         or (save_ctx and (restoring is None or getattr(ctx, "backward_op", None) is not restoring))

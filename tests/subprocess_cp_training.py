@@ -32,7 +32,14 @@ from the one launcher (the test runs all the jobs of a release so). Each rank ru
    sums over its sequence shard), takes an SGD step with them and runs a second forward/backward;
 5. writes one JSON file; the launcher prints both ranks' files as one JSON line.
 
-The training-stack cases (``STACK_CASES``) run a Ulysses case again with gradient checkpointing on, or with
+The QwenImage ring cases (#43) train it with padded prompts under ring degree 2, 3 and 4 and unified 2 x 2
+(``qwen_ring``, ``qwen_ring3``, ``qwen_ring4``, ``qwen_unified``: jobs of 2, 3 and 4 ranks, the inputs shaped so
+that each stream splits into as many shards as ranks, ``QWEN_SHAPES``), and with unpadded prompts (an all-true
+joint mask, which masks nothing) at ring degree 2 (``qwen_ones_ring``, model ``qwen_ones``). Where the math
+backend refuses the model's inputs in one process (0.37.x's 2-D QwenImage mask), the reference runs on diffusers'
+``native`` backend, which reads that mask as key padding (``_reference``).
+
+The training-stack cases (``STACK_CASES``) run a case again with gradient checkpointing on, or with
 the parallelised transformer compiled (``torch.compile``, ``aot_eager`` recording the ops in its graphs).
 
 ``mask_switch`` is the value of ``DIFFUSERS_CUDNN_FIX_MASK`` the ranks see: ``None`` (the default) removes the
@@ -70,6 +77,16 @@ CASES = {
     # Ring degree 4 (4 ranks, jobs of its own): diffusers 0.40+'s own ring backward routes K/V gradients wrong
     # from degree 3 (ring_grad_route).
     "ring4": ("flux", "ring4"),
+    # QwenImage with padded prompts under ring attention (#43): its joint mask reaches every ring step, which
+    # must see the mask columns of the K/V chunk it attends to. Ring degree 2 rides in the 2-rank jobs, degree 4
+    # and unified in the 4-rank ones, degree 3 in 3-rank jobs of its own (``QWEN_SHAPES``).
+    "qwen_ring": ("qwen", "ring"),
+    # The same prompts unpadded: QwenImage hands its all-true joint mask to every attention call, a mask that masks
+    # nothing (ring attention drops it).
+    "qwen_ones_ring": ("qwen_ones", "ring"),
+    "qwen_ring3": ("qwen", "ring3"),
+    "qwen_ring4": ("qwen", "ring4"),
+    "qwen_unified": ("qwen", "unified"),
 }
 MODES = ("ulysses", "ring", "qwen_ulysses")
 #: The degrees of each context-parallel mode (their product is the world size the mode needs).
@@ -78,6 +95,7 @@ DEGREES = {
     "ring": {"ring_degree": 2},
     "unified": {"ulysses_degree": 2, "ring_degree": 2},
     "ring4": {"ring_degree": 4},
+    "ring3": {"ring_degree": 3},
 }
 #: Training stacks (#19): a Ulysses case again, with gradient checkpointing on
 #: (``model.enable_gradient_checkpointing()``: each block's forward re-runs inside the backward, collectives and
@@ -89,6 +107,9 @@ STACK_CASES = {
     "ulysses_compile": ("flux", "ulysses", "compile"),
     "qwen_ulysses_ckpt": ("qwen", "ulysses", "checkpointing"),
     "qwen_ulysses_compile": ("qwen", "ulysses", "compile"),
+    "ring_ckpt": ("flux", "ring", "checkpointing"),
+    "qwen_ring_ckpt": ("qwen", "ring", "checkpointing"),
+    "qwen_ring_compile": ("qwen", "ring", "compile"),
 }
 CASES.update({case: (model, cp_mode) for case, (model, cp_mode, _) in STACK_CASES.items()})
 #: aot_eager: dynamo's graph capture and AOTAutograd's joint forward/backward graph, run with eager ATen ops (so
@@ -100,6 +121,8 @@ IMPORT_ORDERS = ("package_first", "diffusers_first")
 MASK_VAR = "DIFFUSERS_CUDNN_FIX_MASK"
 BACKEND = "_native_cudnn"
 REFERENCE_BACKEND = "_native_math"
+#: Where the math backend refuses the model's inputs (``_reference``): diffusers' default backend.
+FALLBACK_REFERENCE_BACKEND = "native"
 
 #: Tiny Flux: inner dim 4 heads x 8 = 32, one double-stream and one single-stream block.
 FLUX_CONFIG = dict(
@@ -137,6 +160,14 @@ QWEN_CONFIG = dict(
 #: and 2 of the 4 heads; the padding sits entirely in rank 1's text shard.
 QWEN_IMG_SHAPE = (1, 2, 2)
 QWEN_TEXT_MASK = ((1, 1, 1, 0), (1, 1, 0, 0))
+#: World size -> (latent frame, text mask) of the QwenImage inputs: each stream must split into as many equal shards
+#: as ranks. 3 ranks: 6 image + 6 text tokens, the last 1 (sample 0) and 3 (sample 1) padding, so that rank 2's
+#: text shard is all padding in sample 1 (a ring step whose text keys are all masked).
+QWEN_SHAPES = {
+    2: (QWEN_IMG_SHAPE, QWEN_TEXT_MASK),
+    4: (QWEN_IMG_SHAPE, QWEN_TEXT_MASK),
+    3: ((1, 2, 3), ((1, 1, 1, 1, 1, 0), (1, 1, 1, 0, 0, 0))),
+}
 
 RANK_DEADLINE_S = 240.0
 PG_TIMEOUT_S = 90.0
@@ -156,7 +187,7 @@ def launch(
     """Start the ranks, wait for them (at most ``deadline_s``), print one JSON line with their results.
 
     ``mask_switch``: the ``DIFFUSERS_CUDNN_FIX_MASK`` the ranks get; ``None`` removes it (package default).
-    ``world_size``: 2, or 4 for the ``unified`` case.
+    ``world_size``: 2, or 3 / 4 for the cases of that many ranks (``DEGREES``).
     """
     job = dict(
         package=package, modes=modes, steps=steps, deadline_s=deadline_s, mask_switch=mask_switch, world_size=world_size
@@ -345,12 +376,12 @@ def _run_rank(rank: int, spec: dict[str, Any], rec: _Warnings, result: dict[str,
         result["package_imported"] = pkg is not None
     result["our_warnings_after_import"] = rec.ours()
 
-    wanted = [name for name in ("flux", "qwen") if any(CASES[mode][0] == name for mode in spec["modes"])]
+    wanted = [name for name in ("flux", "qwen", "qwen_ones") if any(CASES[mode][0] == name for mode in spec["modes"])]
     built = {}  # name -> (bf16 model, inputs, target, cast keys)
     result["seconds"] = {"imports": round(time.monotonic() - started, 2)}
     for name in wanted:
         t0 = time.monotonic()
-        built[name] = _build(name)
+        built[name] = _build(name, spec["world_size"])
         result["seconds"][f"build_{name}"] = round(time.monotonic() - t0, 2)
 
     dist.init_process_group(
@@ -381,7 +412,7 @@ def _run_rank(rank: int, spec: dict[str, Any], rec: _Warnings, result: dict[str,
                 continue
             refs32[name] = ref32
             result["references"][name] = {
-                "backend": REFERENCE_BACKEND,
+                "backend": ref32["backend"],
                 "loss32": ref32["loss"],
                 "loss16": ref16["loss"],
                 "bf16_floor": _compare(ref16["grads"], ref32["grads"]),
@@ -422,8 +453,9 @@ def _run_rank(rank: int, spec: dict[str, Any], rec: _Warnings, result: dict[str,
         result["status_ok_end"] = pkg.status().ok
 
 
-def _build(name: str):
-    """(bf16 model, bf16 inputs, fp32 target, input keys cast with the model) of ``name``, seeded."""
+def _build(name: str, world_size: int = WORLD_SIZE):
+    """(bf16 model, bf16 inputs, fp32 target, input keys cast with the model) of ``name``, seeded; QwenImage's
+    inputs shaped for ``world_size`` ranks (``QWEN_SHAPES``)."""
     import torch
 
     if name == "flux":
@@ -435,17 +467,20 @@ def _build(name: str):
         del base
         inputs16, target = _inputs()
         return model16, inputs16, target, ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep")
-    if name == "qwen":
+    if name in ("qwen", "qwen_ones"):
         from diffusers import QwenImageTransformer2DModel
 
         torch.manual_seed(0)
         model16 = QwenImageTransformer2DModel(**QWEN_CONFIG).to(torch.bfloat16)
-        inputs16, target = _qwen_inputs(model16)
+        img_shape, text_mask = QWEN_SHAPES[world_size]
+        if name == "qwen_ones":
+            text_mask = tuple((1,) * len(row) for row in text_mask)
+        inputs16, target = _qwen_inputs(model16, img_shape, text_mask)
         return model16, inputs16, target, ("hidden_states", "encoder_hidden_states", "timestep")
     raise ValueError(name)
 
 
-def _qwen_inputs(model):
+def _qwen_inputs(model, img_shape=QWEN_IMG_SHAPE, text_mask=QWEN_TEXT_MASK):
     """Padded prompts: ``encoder_hidden_states_mask`` has zeros (see ``QWEN_TEXT_MASK``)."""
     import inspect
 
@@ -453,17 +488,17 @@ def _qwen_inputs(model):
 
     gen = torch.Generator().manual_seed(2)
     bf16 = torch.bfloat16
-    batch, txt_tokens = len(QWEN_TEXT_MASK), len(QWEN_TEXT_MASK[0])
-    img_tokens = QWEN_IMG_SHAPE[0] * QWEN_IMG_SHAPE[1] * QWEN_IMG_SHAPE[2]
+    batch, txt_tokens = len(text_mask), len(text_mask[0])
+    img_tokens = img_shape[0] * img_shape[1] * img_shape[2]
     channels = QWEN_CONFIG["in_channels"]
     inputs = {
         "hidden_states": torch.randn(batch, img_tokens, channels, generator=gen).to(bf16),
         "encoder_hidden_states": torch.randn(batch, txt_tokens, QWEN_CONFIG["joint_attention_dim"], generator=gen).to(
             bf16
         ),
-        "encoder_hidden_states_mask": torch.tensor(QWEN_TEXT_MASK, dtype=torch.int64),
+        "encoder_hidden_states_mask": torch.tensor(text_mask, dtype=torch.int64),
         "timestep": torch.tensor([0.5, 0.25]).to(bf16),
-        "img_shapes": [[QWEN_IMG_SHAPE]] * batch,
+        "img_shapes": [[img_shape]] * batch,
     }
     # 0.36.0's RoPE needs txt_seq_lens (the padded length: the text freqs must cover every token); 0.37.0+
     # derive it from the mask and deprecate the argument, 0.39.0+ no longer take it.
@@ -502,15 +537,24 @@ def _loss(model, inputs, target):
 
 
 def _reference(model16, inputs16, target, dtype, cast: tuple[str, ...]) -> dict[str, Any]:
-    """One process, no parallel config, diffusers' math backend, in ``dtype`` (the ``cast`` inputs too)."""
-    model = copy.deepcopy(model16).to(dtype)
-    model.set_attention_backend(REFERENCE_BACKEND)
+    """One process, no parallel config, diffusers' math backend, in ``dtype`` (the ``cast`` inputs too). Where
+    the math backend refuses the model's inputs (0.37.x's 2-D QwenImage mask, which F.sdpa reads as (S_q, S_kv)),
+    diffusers' default ``native`` backend, which reads that mask as key padding (as ``verify`` does)."""
     inputs = {k: (v.to(dtype) if k in cast else v) for k, v in inputs16.items()}
-    loss = _loss(model, inputs, target)
-    loss.backward()
+    for backend in (REFERENCE_BACKEND, FALLBACK_REFERENCE_BACKEND):
+        model = copy.deepcopy(model16).to(dtype)
+        model.set_attention_backend(backend)
+        try:
+            loss = _loss(model, inputs, target)
+        except (RuntimeError, ValueError):
+            if backend == FALLBACK_REFERENCE_BACKEND:
+                raise
+            continue
+        loss.backward()
+        break
     grads = {name: p.grad.detach().float().clone() for name, p in model.named_parameters() if p.grad is not None}
     no_grad = [name for name, p in model.named_parameters() if p.grad is None]
-    return {"loss": loss.item(), "grads": grads, "no_grad": no_grad}
+    return {"loss": loss.item(), "grads": grads, "no_grad": no_grad, "backend": backend}
 
 
 def _compare(got: dict, ref: dict) -> dict[str, Any]:

@@ -9,6 +9,10 @@ prompts (a bool joint attention mask reaches the cuDNN op, #14342) with Ulysses 
 imports it before diffusers and rank 1 after: both import orders in every job. With the package no mask
 switch is set: the ranks run on its default.
 Unified attention (Ulysses 2 x ring 2) runs in 4-rank jobs of its own (``unified_job``).
+QwenImage under ring attention (#43): padded prompts at ring degree 2 in the 2-rank jobs (and unpadded ones, an
+all-true mask), at ring degree 4 and unified 2 x 2 in the 4-rank jobs, at ring degree 3 in 3-rank jobs of their
+own, on 0.37.0 - 0.42.1 with the package (within ``TOLERANCE``: measured 2.2 - 3.3%, the bf16 floor of one
+process 2.3 - 2.8%); ring degree 2 without it is the control (0.40.0+: 149% off padded, right unpadded).
 Two more jobs run only the QwenImage case with ``DIFFUSERS_CUDNN_FIX_MASK=warn`` (the mask passed through as
 upstream does), to show that the test sees the bug. The summed parameter gradients are compared with a
 one-process fp32 reference on diffusers' ``_native_math`` backend: relative error per parameter
@@ -73,6 +77,18 @@ RING4_WITH = ("0.40.0", "0.41.0")
 RING4_WITHOUT = ("0.40.0",)
 QWEN = "qwen_ulysses"  # the QwenImage case (padded prompts, Ulysses degree 2)
 ALL_CASES = (*MODES, QWEN)
+#: QwenImage under ring attention (#43): padded prompts at ring degree 2 (in the 2-rank jobs), 3 (3-rank jobs of their
+#: own, key ``RING3``), 4 and unified 2 x 2 (in the 4-rank unified job); unpadded prompts (an all-true joint mask,
+#: which masks nothing) at ring degree 2.
+QWEN_RING, QWEN_RING3, QWEN_RING4, QWEN_UNIFIED = "qwen_ring", "qwen_ring3", "qwen_ring4", "qwen_unified"
+QWEN_ONES_RING = "qwen_ones_ring"
+QWEN_RING_CASES = (QWEN_RING, QWEN_RING3, QWEN_RING4, QWEN_UNIFIED)
+RING3 = "ring3"
+#: Where they run: every release whose QwenImage hands its mask to attention under context parallelism (0.36.0's
+#: processor ignores it). On 0.37.x the one-process reference runs on diffusers' ``native`` backend, which reads
+#: their 2-D joint mask as key padding (the math backend refuses it). With the package all of them; without it
+#: the 2-rank ones (the control).
+QWEN_RING_RELEASES = MATRIX
 
 #: Releases whose QwenImage ``_cp_plan`` shards ``encoder_hidden_states_mask`` with the sequence in every
 #: block (``"transformer_blocks.*"``) and whose templated Ulysses attention all-gathers that local mask: with
@@ -100,6 +116,8 @@ ATTENTION_LAYERS = 2
 #: cuDNN forward / backward kernel calls per step and rank: ring runs one per ring step (degree 2).
 KERNEL_CALLS = {"ulysses": ATTENTION_LAYERS, "ring": 2 * ATTENTION_LAYERS, UNIFIED: 2 * ATTENTION_LAYERS, QWEN: 2}
 KERNEL_CALLS[RING4] = 4 * ATTENTION_LAYERS
+#: QwenImage's 2 blocks, one call per ring step each.
+KERNEL_CALLS.update({QWEN_RING: 4, QWEN_ONES_RING: 4, QWEN_RING3: 6, QWEN_RING4: 8, QWEN_UNIFIED: 4})
 
 JOB_TIMEOUT_S = 300  # per job: the launcher gives a job's ranks 240 s, then terminates them
 #: One launcher per release runs every job of that release the selected tests read, one after the other
@@ -135,7 +153,10 @@ def _launch_args(key: JobKey) -> dict:
     """``subprocess_cp_training.launch``'s arguments for the job ``key``."""
     version, package, mask = key
     if mask == UNIFIED:
-        return {"package": package, "modes": (UNIFIED, *_ring4_with(version, package)), "world_size": 4}
+        qwen = (QWEN_UNIFIED, QWEN_RING4) if package and version in QWEN_RING_RELEASES else ()
+        return {"package": package, "modes": (UNIFIED, *_ring4_with(version, package), *qwen), "world_size": 4}
+    if mask == RING3:
+        return {"package": package, "modes": (QWEN_RING3,), "world_size": 3}
     if mask == RING4:
         return {"package": package, "modes": (RING4,), "world_size": 4}
     if mask == STACKS:
@@ -217,8 +238,13 @@ def _reads(test: str, params: dict) -> list[JobKey]:
         return [(version, params["package"], UNIFIED if params["package"] else RING4)]
     if test == "test_qwen_padded_prompts_warn_is_far_off":
         return [(version, True, "warn")]
-    if test == "test_qwen_padded_prompts_without_package":
+    if test in ("test_qwen_padded_prompts_without_package", "test_qwen_ring_without_package"):
         return [(version, False, None)]
+    if test == "test_qwen_padded_prompts_ring":
+        case = params["case"]
+        return [(version, True, RING3 if case == QWEN_RING3 else UNIFIED if case != QWEN_RING else None)]
+    if test == "test_qwen_unpadded_prompts_ring":
+        return [(version, True, None)]
     if test in ("test_stack_training_step", "test_stack_without_package"):
         return [(version, params["package"], STACKS)]
     if test in (
@@ -246,15 +272,17 @@ def _plan(request: pytest.FixtureRequest) -> None:
 
 def cases(version: str, package: bool, mask: str | None) -> tuple[str, ...]:
     """The cases one job runs: the Flux ones always (unless a mask switch is given: QwenImage only), the
-    QwenImage one where it says something (with the package: wherever a padded prompt runs at all, 0.36.0
-    recorded; without: 0.40.0+, where it runs and shows #14342 as shipped; elsewhere the step raises anyway)."""
+    QwenImage Ulysses one where it says something (with the package: wherever a padded prompt runs at all, 0.36.0
+    recorded; without: 0.40.0+, where it runs and shows #14342 as shipped; elsewhere the step raises anyway), and
+    QwenImage at ring degree 2, padded and unpadded, on ``QWEN_RING_RELEASES`` with and without the package."""
     if mask is not None:
         return (QWEN,)
     if package:
         qwen = version not in QWEN_MASK_UNSUPPORTED
     else:
         qwen = version in FIXED_UPSTREAM
-    return ALL_CASES if qwen else MODES
+    ring = (QWEN_RING, QWEN_ONES_RING) if version in QWEN_RING_RELEASES else ()
+    return (*(ALL_CASES if qwen else MODES), *ring)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -268,7 +296,7 @@ def _summary():
     for (version, package, mask), result in sorted(
         _jobs.items(), key=lambda item: (item[0][0], item[0][1], item[0][2] or "")
     ):
-        suffix = f"-{mask}" if mask in (UNIFIED, RING4, STACKS) else (f"-mask={mask}" if mask else "")
+        suffix = f"-{mask}" if mask in (UNIFIED, RING4, RING3, STACKS) else (f"-mask={mask}" if mask else "")
         key = f"{version}-{'with' if package else 'without'}{suffix}"
         if isinstance(result, BaseException):
             summary[key] = {"job_error": repr(result)[:500]}
@@ -560,6 +588,71 @@ def test_qwen_padded_prompts_without_package(version: str, record_property) -> N
 
 
 # ------------------------------------------------------------------------------------------------------------
+# QwenImage under ring attention (#43): each ring step must see the mask columns of the K/V chunk it attends to
+# ------------------------------------------------------------------------------------------------------------
+def _qwen_ring_job(version: str, case: str) -> dict:
+    """The job (with the package) that runs ``case``: the 2-rank one, the 3-rank ``RING3`` one or the 4-rank one."""
+    if case == QWEN_RING:
+        return job(version, True)
+    key = RING3 if case == QWEN_RING3 else UNIFIED
+    result = _cached_run((version, True, key))
+    _check_job(version, True, None, result)
+    return result
+
+
+@pytest.mark.parametrize(
+    ("version", "case"),
+    [pytest.param(v, c, id=f"{v}-{c}") for v in run_on(QWEN_RING_RELEASES) for c in QWEN_RING_CASES],
+)
+def test_qwen_padded_prompts_ring(version: str, case: str, record_property) -> None:
+    """With the package: QwenImage with padded prompts under ring degree 2, 3 and 4 and unified 2 x 2 gives one
+    process's gradients (within the QwenImage rule, ``TOLERANCE``), every cuDNN call (each ring step's) with the
+    mask converted to bf16. The package's ring forward differs from the one diffusers shipped here (which hands
+    every ring step the rank's own mask, or raises on a mask of another length): this is the case that shows it."""
+    result = _qwen_ring_job(version, case)
+    record_property("job_wall_s", result["wall_s"])
+    degrees = {QWEN_RING: (2, 1), QWEN_RING3: (3, 1), QWEN_RING4: (4, 1), QWEN_UNIFIED: (2, 2)}[case]
+    for entry in modes(result, case):
+        assert (entry["cp"]["ring_degree"], entry["cp"]["ulysses_degree"]) == degrees, entry["cp"]
+    assert_correct(result, case, record_property)
+    for entry in modes(result, case):
+        assert biases(entry) == {"bfloat16"}, entry.get("attn_bias")
+        inference = entry["inference"]
+        assert inference["patched"] is True, inference
+        assert inference["shipped"] != "ok" or inference["equal"] is False, inference
+    record_property("shipped_inference", json.dumps(modes(result, case)[0]["inference"]))
+    assert all(rank["status_ok"] and rank["status_ok_end"] for rank in result["ranks"]), result["ranks"]
+
+
+@pytest.mark.parametrize("version", run_on(QWEN_RING_RELEASES))
+def test_qwen_unpadded_prompts_ring(version: str, record_property) -> None:
+    """With the package: unpadded prompts (QwenImage's all-true joint mask, which masks nothing) at ring degree 2
+    train as one process, and the mask is dropped before the ring: no cuDNN call gets a bias."""
+    result = job(version, True)
+    assert_correct(result, QWEN_ONES_RING, record_property)
+    for entry in modes(result, QWEN_ONES_RING):
+        assert biases(entry) == {"none"}, entry.get("attn_bias")
+
+
+@pytest.mark.parametrize("version", run_on(QWEN_RING_RELEASES))
+def test_qwen_ring_without_package(version: str, record_property) -> None:
+    """The control, as shipped, ring degree 2: padded prompts run and are far off on 0.40.0+ (each ring step applies
+    the rank's own mask columns to another rank's K/V; the bool mask is also read as a 0/1 bias, #14342), and raise
+    or are far off before (the ring's K/V bugs); unpadded prompts run right on 0.40.0+ (a uniform bias changes no
+    softmax)."""
+    result = job(version, False)
+    padded, unpadded = modes(result, QWEN_RING)[0], modes(result, QWEN_ONES_RING)[0]
+    record_property("padded", describe(padded))
+    record_property("unpadded", describe(unpadded))
+    if version in FIXED_UPSTREAM:
+        assert padded["status"] == "ok" and worst(padded) > MISREAD_MIN_REL_ERR, describe(padded)
+        assert unpadded["status"] == "ok" and worst(unpadded) <= TOLERANCE, describe(unpadded)
+        return
+    for entry in (padded, unpadded):
+        assert entry["status"] == "raised" or worst(entry) > MISREAD_MIN_REL_ERR, describe(entry)
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Training stacks (#19): gradient checkpointing, and torch.compile of the whole parallelised transformer
 # ------------------------------------------------------------------------------------------------------------
 #: Job key of the stack cases (``subprocess_cp_training.STACK_CASES``): a two-rank job of their own per
@@ -578,20 +671,27 @@ COMPILED = ("ulysses_compile", "qwen_ulysses_compile")  # the same, torch.compil
 #: path is inside the compiled graph (the Flux one holds the same op fixes without the mask);
 #: ``CP_TRAINING_STACKS=all`` adds Flux compiled on 0.39.0 and both compiled on 0.42.1 (measured: within the
 #: rule).
-STACK_WITH = {"0.39.0": (*CKPT, "qwen_ulysses_compile"), "0.42.1": CKPT}
+#: Ring attention (#43): QwenImage with padded prompts checkpointed on 0.39.0 (the package's corrected ops driven from
+#: their saved context) and 0.42.1 (diffusers' own ops, driven through their keywords), and compiled on 0.42.1 (the
+#: whole ring, each step's mask included, inside one graph); Flux checkpointed on 0.42.1, where diffusers' own ring
+#: backward raises under checkpointing (it unpacks the saved tensors once per ring step).
+RING_CKPT = ("ring_ckpt", "qwen_ring_ckpt")
+RING_COMPILED = ("qwen_ring_compile",)
+STACK_WITH = {
+    "0.39.0": (*CKPT, "qwen_ulysses_compile", "qwen_ring_ckpt"),
+    "0.42.1": (*CKPT, *RING_CKPT, *RING_COMPILED),
+}
 #: Without the package (the control): QwenImage with padded prompts and checkpointing on 0.42.1 runs and is
 #: far off, silently (#14342). On 0.39.0 the same step raises without the package (no log-sum-exp), as the
 #: plain Ulysses case already shows. ``CP_TRAINING_STACKS=all`` adds the compiled one (measured: as far off).
-STACK_WITHOUT = {"0.42.1": ("qwen_ulysses_ckpt",)}
+#: And Flux's ring with checkpointing on 0.42.1: raises (diffusers' ring backward unpacks a saved tensor twice).
+STACK_WITHOUT = {"0.42.1": ("qwen_ulysses_ckpt", "ring_ckpt")}
 if os.environ.get("CP_TRAINING_STACKS") == "all":
-    STACK_WITH = {version: (*CKPT, *COMPILED) for version in STACK_WITH}
-    STACK_WITHOUT["0.42.1"] = ("qwen_ulysses_ckpt", "qwen_ulysses_compile")
+    STACK_WITH = {version: (*CKPT, *COMPILED, *RING_CKPT, *RING_COMPILED) for version in STACK_WITH}
+    STACK_WITHOUT["0.42.1"] = ("qwen_ulysses_ckpt", "qwen_ulysses_compile", "ring_ckpt")
 #: The module's 3% rule (as for ring and unified): measured 2.42% (Flux) and 2.48% (QwenImage) in every stack,
 #: the same as without the stack.
 STACK_TOLERANCE = RING_TOLERANCE
-#: cuDNN forward calls per step and rank with checkpointing: each block's forward runs twice (the step's and
-#: the backward's re-run); the backward calls are not repeated.
-CKPT_FORWARD_CALLS = 2 * ATTENTION_LAYERS
 
 
 def stack_cases(version: str, package: bool) -> tuple[str, ...]:
@@ -609,7 +709,7 @@ def stack_job(version: str, package: bool) -> dict:
 def _cudnn_calls(entry: dict, case: str) -> list[tuple[int, int]]:
     """(forward, backward) cuDNN kernel calls per step; for a compiled case, the calls in the graphs
     AOTAutograd produced (a dispatch mode cannot count inside a compiled frame)."""
-    if case in COMPILED:
+    if case in COMPILED or case in RING_COMPILED:
         graphs = entry["graphs"]
         forward = sum(g["sdpa_ops"].get("_scaled_dot_product_cudnn_attention", 0) for g in graphs["forward"])
         backward = sum(g["sdpa_ops"].get("_scaled_dot_product_cudnn_attention_backward", 0) for g in graphs["backward"])
@@ -621,7 +721,7 @@ def _cudnn_calls(entry: dict, case: str) -> list[tuple[int, int]]:
 
 
 def _stack_biases(entry: dict, case: str) -> set[str]:
-    if case in COMPILED:
+    if case in COMPILED or case in RING_COMPILED:
         return {dtype for kind in ("forward", "backward") for g in entry["graphs"][kind] for dtype in g["attn_bias"]}
     return biases(entry)
 
@@ -643,21 +743,26 @@ def test_stack_training_step(version: str, case: str, package: bool, record_prop
     record_property("job_wall_s", result["wall_s"])
     entries = modes(result, case)
     qwen = case.startswith("qwen")
-    layers = 2 if qwen else ATTENTION_LAYERS  # per step and rank: QwenImage 2 blocks, Flux 1 + 1
-    expected = (CKPT_FORWARD_CALLS if case in CKPT else layers, layers)
+    # cuDNN calls per step and rank: QwenImage 2 blocks, Flux 1 + 1; under ring degree 2, one per ring step each.
+    # With checkpointing each block's forward runs twice (the step's and the backward's re-run), the backward once.
+    calls = (2 if qwen else ATTENTION_LAYERS) * (2 if "ring" in case else 1)
+    checkpointed = case in CKPT or case in RING_CKPT
+    expected = (2 * calls if checkpointed else calls, calls)
+    # QwenImage under ring: the module's QwenImage rule (its bf16 floor is 2.8%), as without the stack.
+    tolerance = TOLERANCE if qwen and "ring" in case else STACK_TOLERANCE
     for entry in entries:
         assert entry["status"] == "ok", describe(entry)
-        assert entry["stack"] == ("checkpointing" if case in CKPT else "compile"), entry["stack"]
+        assert entry["stack"] == ("checkpointing" if checkpointed else "compile"), entry["stack"]
         assert all(calls == expected for calls in _cudnn_calls(entry, case)), (_cudnn_calls(entry, case), expected)
         assert _stack_biases(entry, case) == ({"bfloat16"} if qwen else {"none"}), entry.get("attn_bias")
         counts = entry["our_warnings_after_step"]
         assert len(counts) == 2 and counts[1] == counts[0], (counts, entry.get("our_warning_messages"))
-        if case in COMPILED:
+        if case in COMPILED or case in RING_COMPILED:
             record_property("dynamo", json.dumps(entry["dynamo"]))
     rank0 = entries[0]
     record_property("worst_rel_err", worst(rank0))
-    assert worst(rank0) <= STACK_TOLERANCE, describe(rank0)
-    assert rank0["local_worst"] > STACK_TOLERANCE, rank0["local_worst"]  # the all-reduce is needed
+    assert worst(rank0) <= tolerance, describe(rank0)
+    assert rank0["local_worst"] > tolerance, rank0["local_worst"]  # the all-reduce is needed
     assert rank0["loss_rel_err"] <= LOSS_TOLERANCE, describe(rank0)
     for entry in entries[1:]:
         assert entry["loss"][0] == pytest.approx(rank0["loss"][0], rel=1e-6)
@@ -668,8 +773,13 @@ def test_stack_training_step(version: str, case: str, package: bool, record_prop
 @pytest.mark.parametrize(("version", "case", "package"), [p for p in _stack_params() if not p.values[2]])
 def test_stack_without_package(version: str, case: str, package: bool, record_property) -> None:
     """The control: the same stack without the package runs and is far off (the bool mask read as a 0/1 bias),
-    so the stack cases can fail."""
+    so the stack cases can fail; ring attention with checkpointing raises (diffusers' ring backward unpacks the
+    saved tensors again in every ring step's backward op)."""
     entries = modes(stack_job(version, package), case)
+    if case in RING_CKPT:
+        for entry in entries:
+            assert entry["status"] == "raised" and "CheckpointError" in entry["error"], describe(entry)
+        return
     rank0 = entries[0]
     assert rank0["status"] == "ok", describe(rank0)
     for entry in entries:

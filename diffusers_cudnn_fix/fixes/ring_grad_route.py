@@ -2,33 +2,48 @@
 
 Bug: 0.36.0-0.39.0 reuse the first ring step's tensors in every step's backward (wrong for every backend and
 degree; fixed in 0.40.0, #14274); 0.40.0 on pass the K/V gradient accumulator the wrong way round the ring
-(right at ring degree 2 only). Detection, in one process with stand-in collectives and ops: at ring degree 2,
-does each step's backward get that step's K and the merged output; at degree 3, does rank 0 end with its own
-chunk's gradients only? The package: the corrected ring (``targets/ring.py``); what it cannot drive is
-refused (docs/fixes.md). Id of 0.2.x: ``ring_backward`` (still accepted by the skip switch)."""
+(right at ring degree 2 only), and every release hands each ring step the rank's own mask. Detection, one process,
+stand-in collectives and ops: at degree 2, does each step's backward get its K and the merged output; at degree 3,
+does rank 0 end with its own chunk's gradients only? The package: the corrected ring (``targets/ring.py``), each
+step with its chunk's mask columns (:func:`ring_masks`); the rest refused (docs/fixes.md). 0.2.x id: ring_backward."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 import torch
 
-from .. import _detect
+from .. import _detect, _switches
 from .._fix import Finding, Lookup
-from .._warnings import explain
+from .._key_padding import remembered
+from .._warnings import UnsafeAttentionError, explain
 
 FIX_ID = "ring_grad_route"
 #: The largest ring degree whose K/V gradients 0.40+'s route gets right (any backend's op runs there).
 RIGHT_UP_TO = 2
 #: diffusers' own backward ops (0.40 on) that the corrected ring drives at any ring degree.
 OPS = ("_cudnn_attention_backward_op", "_native_flash_attention_backward_op")
+#: Those of them that read the attention mask from ``ctx.attn_mask`` (the flash ops take none): the corrected ring
+#: hands each ring step its own mask there.
+MASK_OPS = ("_cudnn_attention_backward_op",)
 #: Where the long explanation of every ring refusal lives.
 DOCS = f"fixes.md#{FIX_ID}"
 WAY_OUT = (
     "Train these inputs with Ulysses (ContextParallelConfig(ulysses_degree=...)); "
     f"DIFFUSERS_CUDNN_FIX_SKIP={FIX_ID} runs diffusers' own ring backward (wrong gradients)."
+)
+#: The way out of a mask the ring cannot map onto its K/V chunks.
+MASK_WAY_OUT = (
+    "Pass a [B, 1|H, 1|S_q, S_kv] mask whose key dimension is the whole sequence or this rank's shard, or "
+    "attn_mask=None where nothing is masked, or train with Ulysses (ContextParallelConfig(ulysses_degree=...))."
+)
+#: The way out of a mask over the whole key length whose token order cannot be read: QwenImage's joint mask up to
+#: 0.38.0 where its attention processor ran compiled (or its ``qwen_joint_mask_order`` fix is skipped).
+ORDER_WAY_OUT = (
+    "Run QwenImage's attention eagerly (compile without fullgraph=True) with the qwen_joint_mask_order fix on, "
+    "upgrade diffusers to >= 0.39.0 (which shards the mask), or pass encoder_hidden_states_mask=None."
 )
 
 
@@ -40,22 +55,139 @@ class StepOps:
     way (:func:`_detect.rebuilt_with`)."""
 
     reads_saved: Mapping[Any, bool]
+    #: The ops among them that read a ring step's attention mask from ``ctx.attn_mask`` (the cuDNN ones): a
+    #: masked ring's backward drives no other.
+    reads_mask: frozenset[Any] = field(default_factory=frozenset)
 
 
-def refusal(world: int, attn_mask: Any, dropout_p: float, is_causal: bool, enable_gqa: bool) -> str | None:
+def refusal(world: int, dropout_p: float, is_causal: bool, enable_gqa: bool) -> str | None:
     """What makes the corrected backward wrong for these inputs, or None. With one ring chunk (the whole
-    sequence) a mask, dropout and causal attention mean what they say, and nothing is refused but GQA."""
+    sequence) dropout and causal attention mean what they say, and nothing is refused but GQA. Masks are not
+    refused: each ring step gets its chunk's columns (:func:`ring_masks`)."""
     if enable_gqa:
         return "enable_gqa (the attention ops do not support it)"
     if world == 1:
         return None
-    if attn_mask is not None:
-        return "an attention mask (diffusers' ring attention applies the rank's own mask to every ring step's K/V)"
     if dropout_p > 0.0:
         return "dropout (only the first ring step's random state is kept, each step's backward needs its own)"
     if is_causal:
         return "is_causal (each ring step would apply a causal mask to a block of another rank's keys)"
     return None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Masks: each ring step gets the columns of the K/V chunk it attends to
+# ------------------------------------------------------------------------------------------------------------
+def ring_masks(
+    attn_mask: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    config: Any,
+    *,
+    gather: Callable[[torch.Tensor], torch.Tensor],
+    in_rank_order: Callable[[torch.Tensor], torch.Tensor | None],
+) -> tuple[torch.Tensor, ...] | None:
+    """The mask of each ring step, by the ring rank owning the step's K/V chunk, for this rank's queries; None
+    where no step needs one (a mask that masks nothing, in convert mode).
+
+    Ring rank ``r``'s chunk is the positions ``[r * S, (r + 1) * S)`` of the sequence in rank order, S being
+    ``key``'s length (in unified attention, after Ulysses' all-to-all: the Ulysses group's shards, in its ranks'
+    order). The mask's last dimension says which columns a rank holds:
+
+    * the whole key length (S x ring degree; QwenImage's joint mask up to 0.38.0, or a user's mask): put into
+      rank order by ``in_rank_order`` (None where its order cannot be known), rows too where it has a row per
+      query of the whole sequence (this rank's rows are then taken);
+    * this rank's shard (S / Ulysses degree; QwenImage's mask from 0.39.0, which its plan shards with the
+      sequence): the shards of every rank are gathered (``gather``: Ulysses group first, then the ring);
+    * 1: the same for every key, so for every step.
+
+    Anything else (and a shard with a row per query: the other ranks' rows are not there) raises
+    :class:`UnsafeAttentionError`; a mask that requires grad reaches every step as it came, for the op to refuse.
+    Each step gets its columns as a mask of its own; what the step's op does with it (the bool-mask conversion) it
+    does per call. A mask that masks nothing (all true, or an additive one all zero) is dropped in convert mode,
+    outside torch.compile (the question is a host sync): asked once per mask object where every rank holds the
+    whole key length, and of the gathered mask at every call where each holds a shard (every rank then answers
+    alike; the question comes after the gather, which every rank makes).
+    """
+    ring, rank = config.ring_degree, config._ring_local_rank
+    if attn_mask.requires_grad:  # as it came, so that the op refuses it (a copy made here would not require grad)
+        return (attn_mask,) * ring
+    ulysses = getattr(config, "ulysses_degree", 1) or 1
+    seq, rows_local = key.shape[1], query.shape[1]
+    keys = attn_mask.shape[-1] if attn_mask.dim() else 1
+    rows = attn_mask.shape[-2] if attn_mask.dim() >= 2 else 1
+    if keys == seq * ring:
+        if _droppable(attn_mask, remember=True):
+            return None
+        full = in_rank_order(attn_mask)
+        if full is None:  # maybe QwenImage's joint mask, in an order that cannot be read here
+            if not _masks_nothing(attn_mask, remember=True):
+                what = "the whole key length in a token order it cannot read"
+                _refuse_mask(attn_mask, query, key, what, ORDER_WAY_OUT)
+            full = attn_mask  # masking nothing, its order does not matter
+        rows = full.shape[-2] if full.dim() >= 2 else 1  # QwenImage's 2-D (B, S) mask comes back [B, 1, 1, S]
+        if rows not in (1, rows_local, rows_local * ring):
+            _refuse_mask(attn_mask, query, key, f"{rows} query rows, neither 1, the local {rows_local} nor the whole")
+        if rows == rows_local * ring and ring > 1:
+            full = full.narrow(-2, rank * rows_local, rows_local)
+    elif keys * ulysses == seq:
+        if rows != 1:
+            _refuse_mask(attn_mask, query, key, "a row per query on this rank's shard of the keys only")
+        full = gather(attn_mask)
+        if _droppable(full, remember=False):
+            return None
+    elif keys == 1:
+        return None if _droppable(attn_mask, remember=True) else (attn_mask,) * ring
+    else:
+        _refuse_mask(attn_mask, query, key, f"a key dimension of {keys}")
+    return tuple(full.narrow(-1, owner * seq, seq).contiguous() for owner in range(ring))
+
+
+def _masks_nothing(mask: torch.Tensor, *, remember: bool) -> bool:
+    """Whether ``mask`` (bool or additive) masks nothing: one host sync, kept per mask object where ``remember``."""
+    return bool(remembered(_no_masked_entry, mask, None) if remember else _no_masked_entry(mask, None))
+
+
+def _no_masked_entry(mask: torch.Tensor, _: None) -> bool:
+    if mask.dtype == torch.bool:
+        return bool(mask.all())
+    return mask.is_floating_point() and not bool(mask.ne(0).any())
+
+
+def _droppable(mask: torch.Tensor, *, remember: bool) -> bool:
+    """Whether the ring drops ``mask``: it masks nothing, in convert mode (warn passes a bool mask on as diffusers
+    does, error refuses it in the op), and not while compiling (the answer would be a host sync in the graph)."""
+    if torch.compiler.is_compiling() or _switches._choice(_switches.MASK_VAR) != "convert":
+        return False
+    if not (mask.dtype == torch.bool or mask.is_floating_point()):
+        return False  # the op's policy refuses an integer mask in its own words
+    return _masks_nothing(mask, remember=remember)
+
+
+def _refuse_mask(
+    mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor, what: str, way_out: str = MASK_WAY_OUT
+) -> NoReturn:
+    raise UnsafeAttentionError(
+        explain(
+            f"an attention mask {tuple(mask.shape)} reached ring attention (this rank: {query.shape[1]} queries, "
+            f"K/V chunks of {key.shape[1]} keys) with {what}.",
+            "The package cannot tell which of its columns each ring step's K/V chunk needs, so the call is refused.",
+            way_out,
+            DOCS,
+        )
+    )
+
+
+def mask_op_message(backward_op: Any) -> str:
+    """Why a masked ring's backward refuses ``backward_op``: it does not read a step's mask from the context."""
+    name = f"{getattr(backward_op, '__module__', '?')}.{getattr(backward_op, '__qualname__', repr(backward_op))}"
+    return explain(
+        f"ring attention with a mask runs each ring step's backward with that step's mask columns, which only the "
+        f"_native_cudnn backward ops take; this call's backward op is {name}.",
+        "Its gradients would apply another step's mask, so the backward is refused.",
+        "Use the _native_cudnn backend, or Ulysses (ContextParallelConfig(ulysses_degree=...)).",
+        DOCS,
+    )
 
 
 def unsupported_backend_message(backward_op: Any, degree: int, *, first_step: bool) -> str:
