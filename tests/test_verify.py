@@ -385,3 +385,14 @@ def test_compare_search_no_nan_inf_or_stray_gradient_passes_and_an_exact_run_alw
         assert sorted(found["unreached"]) == sorted(unreached)
 
     search()
+
+
+@pytest.mark.parametrize("ring", [2, 4])
+def test_042_qwen_padded_prompts_under_ring_pass_with_the_package_and_fail_without(ring: int) -> None:
+    """#43: tiny QwenImage with padded prompts under ring attention on the stand-in kernels: the package hands each
+    ring step its K/V chunk's mask columns (PASS, the ring's correction exercised); diffusers hands every step the
+    rank's own mask (MISMATCH)."""
+    args = ("--nproc", str(ring), "--ring", str(ring), "--model", "qwen", "--mask", "padded")
+    found = passed("0.42.1", *args, "--backend", "_native_cudnn", *SEAMS)
+    assert "ring_grad_route" in found["exercised"] and "cudnn_bool_mask" in found["exercised"], found
+    failed("0.42.1", *args, "--backend", "_native_cudnn", *SEAMS)
