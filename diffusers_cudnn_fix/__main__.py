@@ -217,7 +217,9 @@ def collect(run_gpu: bool = True, require_gpu: bool = False) -> tuple[dict[str, 
 # ------------------------------------------------------------------------------------------------------------
 def _wrap(text: str, indent: str = "") -> str:
     """The whole of ``text``, wrapped: nothing the doctor prints is cut."""
-    return textwrap.fill(text, width=100, initial_indent=indent, subsequent_indent=indent, break_long_words=False)
+    return textwrap.fill(
+        text, width=100, initial_indent=indent, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
+    )
 
 
 def _columns(rows: Sequence[Sequence[str]]) -> list[str]:

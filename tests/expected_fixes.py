@@ -28,9 +28,13 @@ CARRIES: dict[str, frozenset[str]] = {
     # 0.36.0's _native_flash backend takes _parallel_config and never reads it (0.37.0 routes it through the
     # templated context-parallel path; 0.35.2 has no context parallelism).
     "flash_cp_ignored": frozenset({"0.36.0"}),
+    # diffusers' Ulysses class (0.36.0 on, the same code in its forward's head handling and its backward): a per-head
+    # mask reaches the op with every head; dK / dV are reshaped with the queries' length (issue #42's LTX findings).
+    "ulysses_head_mask": _WITH_OPS,
+    "ulysses_kv_length": _WITH_OPS,
 }
 CORRECTIONS = ("cudnn_forward_lse", "cudnn_backward_kv", "flash_backward_kv", "ulysses_grad_count")
-CORRECTIONS += ("ring_grad_route", "qwen_joint_mask_order")
+CORRECTIONS += ("ring_grad_route", "qwen_joint_mask_order", "ulysses_head_mask", "ulysses_kv_length")
 GUARDS = tuple(i for i in CARRIES if i not in CORRECTIONS)
 FIX_IDS = tuple(CARRIES)
 

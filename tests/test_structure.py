@@ -43,6 +43,8 @@ LAYERS = {
     "fixes.qwen_joint_mask_order": 4,
     "fixes.flash_input_alignment": 4,
     "fixes.flash_cp_ignored": 4,
+    "fixes.ulysses_head_mask": 4,
+    "fixes.ulysses_kv_length": 4,
     # One replacement per target, built from the policies of the fixes found broken.
     "targets.ring": 5,
     "targets.cudnn": 6,

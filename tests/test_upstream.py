@@ -3,7 +3,7 @@
 Cheap checks of what ``.ci/upstream`` relies on (that script runs the reproducers and the added tests, shipped and
 patched, without this package): every fix open on 0.42.1 has its folder with the four files; no file there imports
 this package; each ``fix.patch`` names paths under ``diffusers/`` and applies to 0.42.1 exactly (no fuzz, no
-offset); docs/fixes.md points at each ISSUE.md. Marked slow: all six patches applied to one copy of 0.42.1, which
+offset); docs/fixes.md points at each ISSUE.md. Marked slow: all eight patches applied to one copy of 0.42.1, which
 must import.
 """
 
@@ -101,6 +101,8 @@ PYTHON_LEVEL = (
     "flash_input_alignment",
     "cudnn_input_dtypes",
     "ulysses_mask_grad",
+    "ulysses_head_mask",
+    "ulysses_kv_length",
 )
 
 STATUS = """
@@ -111,7 +113,7 @@ print(json.dumps(diffusers_cudnn_fix.status().to_dict()))
 
 @pytest.mark.slow
 def test_on_the_patched_release_the_checks_find_the_bugs_fixed(tmp_path: Path) -> None:
-    """All six patches applied to a copy of 0.42.1: each fix's check finds its bug gone by behaviour (the version
+    """All eight patches applied to a copy of 0.42.1: each fix's check finds its bug gone by behaviour (the version
     string still says 0.42.1), nothing is applied for it and the doctor points at no upstream folder for it; with
     nothing left to fix, its advice is that the package can be removed (#32). cudnn_bool_mask included: its patch
     converts the mask before Ulysses all-gathers it (torch.compile mistypes a gathered bool tensor)."""

@@ -220,7 +220,8 @@ def test_a_backend_diffusers_does_not_have_is_a_usage_error_naming_the_valid_one
 # ------------------------------------------------------------------------------------------------------------
 NEEDED_039 = [
     "cudnn_forward_lse", "cudnn_backward_kv", "flash_backward_kv", "ulysses_mask_grad", "cudnn_bool_mask",
-    "cudnn_input_dtypes", "cudnn_masked_row_grads", "flash_input_alignment", "ring_grad_route",
+    "cudnn_input_dtypes", "cudnn_masked_row_grads", "flash_input_alignment", "ring_grad_route", "ulysses_head_mask",
+    "ulysses_kv_length",
 ]  # fmt: skip
 
 
@@ -240,8 +241,12 @@ def test_039_default_cpu_run_says_it_exercised_none_of_what_the_release_needs(pa
     if package:
         assert found["functions_reached"] is None and "cudnn_backward_kv" in found["setup"]["applied"], found
     else:
-        # The native Ulysses path calls diffusers' Ulysses forward (where the mask-grad bug lives), with no mask.
-        assert found["functions_reached"] == ["TemplatedUlyssesAttention.forward"], found
+        # The native Ulysses path calls diffusers' Ulysses forward and backward (where the mask-grad and key-length
+        # bugs live), with no mask and keys as long as the queries: neither bug is met.
+        assert found["functions_reached"] == [
+            "TemplatedUlyssesAttention.forward",
+            "TemplatedUlyssesAttention.backward",
+        ], found
         assert "_cudnn_attention_backward_op" in found["functions_not_reached"], found
         assert "ulysses_mask_grad" in found["cannot_tell"], found
 

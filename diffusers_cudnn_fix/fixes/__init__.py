@@ -46,6 +46,8 @@ CUDNN_MASK_RUN = "verify --backend _native_cudnn --model qwen --mask padded (on 
 FLASH_RUN = "verify --backend _native_flash (on GPUs)"
 QWEN_MASK_RUN = "verify --model qwen --mask padded (on a CPU too)"
 MASKS = "attention masks"
+#: Where no verify run reaches a policy: its models, Flux and QwenImage, attend with one length and one-head masks.
+NO_VERIFY_RUN = "none of verify's models (Flux, QwenImage): Ulysses training of LTX or LTX2 with its text mask"
 
 #: Fix(id, title, upstream, affected releases, targets, kind="correction", note, only_for_on, old_ids, upstream_issue,
 #: matters_to, reached_by, bug_in, reached_when)
@@ -98,4 +100,12 @@ ALL_FIXES: tuple[Fix, ...] = (
         only_for_on=(">=0.40.0", "ring attention at ring_degree >= 3, or with a mask or dropout"),
         old_ids=("ring_backward",), upstream_issue=PATCH_FOR_DIFFUSERS, bug_in=(RING_BACKWARD,),
         reached_by="verify --ring 2 --backend _native_cudnn (on GPUs; ring degree 3 or more for 0.40's route)"),
+    Fix("ulysses_head_mask", "Ulysses attention hands the op a per-head mask with every head, where q holds the "
+        "rank's heads alone: LTX and LTX2 with their text mask fail", "not reported upstream as of diffusers 0.42.1",
+        ">=0.36.0", (ULYSSES_FORWARD,), only_for_on=(">=0.36.0", "Ulysses attention with a per-head mask (LTX, LTX2)"),
+        upstream_issue=PATCH_FOR_DIFFUSERS, reached_by=NO_VERIFY_RUN, reached_when="never"),
+    Fix("ulysses_kv_length", "Ulysses backward reshapes dK/dV with the queries' length: cross-attention to keys of "
+        "another length fails", "not reported upstream as of diffusers 0.42.1", ">=0.36.0", (ULYSSES_BACKWARD,),
+        only_for_on=(">=0.36.0", "Ulysses training with keys of another length than the queries (LTX, LTX2)"),
+        upstream_issue=PATCH_FOR_DIFFUSERS, reached_by=NO_VERIFY_RUN, reached_when="never"),
 )  # fmt: skip

@@ -5,8 +5,11 @@ forward (both classes), for a mask tensor unless diffusers' op refuses the call 
 ``qwen_joint_mask_order`` (:func:`in_kv_order`; through ``ulysses_anything`` a refusal) ->
 ``ulysses_mask_grad`` (:func:`refuse_mask_grad`, a mask that requires grad; plain Ulysses only: the
 ``anything`` backward raises rather than give a mask no gradient) -> ``cudnn_bool_mask`` (the cuDNN
-op's :func:`mask_policy`, before diffusers gathers the mask) -> [a new step on the mask goes here] ->
-diffusers' forward. backward: diffusers' backward -> ``ulysses_grad_count`` (one gradient per input).
+op's :func:`mask_policy`, before diffusers gathers the mask) -> ``ulysses_head_mask`` (plain Ulysses: the op
+diffusers' forward calls is handed, of a per-head mask, this rank's heads, :func:`cut_to_rank`, after diffusers
+gathered it) -> [a new step on the mask goes here] -> diffusers' forward. backward: diffusers' backward, or with
+``ulysses_kv_length`` the package's own (:func:`routed_back`, as many gradients as diffusers' returns) ->
+``ulysses_grad_count`` (one gradient per input).
 
 Built after the package's forward ops, which the builder is handed (``ops``): each call's ``forward_op`` is
 recognised among them by identity, and what it needs is read off its :class:`ForwardOp` record.
@@ -20,7 +23,7 @@ from typing import Any
 import torch
 
 from .. import _ledger
-from .._detect import CUDNN_FORWARD_KERNEL, FLASH_FORWARD_KERNEL, input_count, refuses_gqa
+from .._detect import CUDNN_FORWARD_KERNEL, FLASH_FORWARD_KERNEL, input_count, refuses_gqa, run_ulysses_backward
 from .._fix import Lookup
 from ..fixes import (
     CUDNN_FORWARD,
@@ -32,9 +35,12 @@ from ..fixes import (
 )
 from ..fixes.cudnn_bool_mask import mask_policy
 from ..fixes.qwen_joint_mask_order import QWEN_PROCESSOR, in_kv_order, processor
+from ..fixes.ulysses_head_mask import cut_to_rank, per_head
+from ..fixes.ulysses_kv_length import ALL_TO_ALL, routed_back
 from ..fixes.ulysses_mask_grad import refuse_mask_grad
 
-FORWARD_POLICIES = frozenset({"qwen_joint_mask_order", "ulysses_mask_grad", "cudnn_bool_mask"})
+FORWARD_POLICIES = frozenset({"qwen_joint_mask_order", "ulysses_mask_grad", "cudnn_bool_mask", "ulysses_head_mask"})
+BACKWARD_POLICIES = frozenset({"ulysses_grad_count", "ulysses_kv_length"})
 ANYTHING_POLICIES = frozenset({"qwen_joint_mask_order", "cudnn_bool_mask"})
 #: Positions among the forward's arguments after the mask: ``enable_gqa``, ``forward_op``, ``_parallel_config``.
 _GQA_AFTER_MASK = 3
@@ -66,10 +72,10 @@ def build(shipped: Lookup, broken: frozenset[str], ops: dict[str, Any]) -> dict[
         built[ULYSSES_ANYTHING_FORWARD] = staticmethod(anything)
     if "qwen_joint_mask_order" in broken and shipped(QWEN_PROCESSOR) is not None:  # hands in_kv_order the text length
         built[QWEN_PROCESSOR] = processor(shipped(QWEN_PROCESSOR))
-    if "ulysses_grad_count" in broken:
+    if broken & BACKWARD_POLICIES:
         inputs = input_count(shipped(ULYSSES_FORWARD))
-        assert inputs is not None  # the check read it before the build
-        built[ULYSSES_BACKWARD] = staticmethod(backward(shipped(ULYSSES_BACKWARD), inputs))
+        assert inputs is not None  # the checks read it before the build
+        built[ULYSSES_BACKWARD] = staticmethod(backward(shipped(ULYSSES_BACKWARD), broken, inputs))
     return built
 
 
@@ -78,25 +84,31 @@ def forward(shipped: Any, broken: frozenset[str], meets: dict[Any, ForwardOp], *
     policies of the ``broken`` fixes on the mask; ``meets``: the package's forward ops it may be handed."""
     qwen = "qwen_joint_mask_order" in broken
     grad = "ulysses_mask_grad" in broken
+    heads = "ulysses_head_mask" in broken  # not in ANYTHING_POLICIES: ulysses_anything is left as shipped
 
     def ulysses_attention_forward(
         ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, *args: Any, **kwargs: Any
     ) -> Any:
         op = args[_FORWARD_OP_AFTER_MASK] if len(args) > _FORWARD_OP_AFTER_MASK else kwargs.get("forward_op")
         gqa = args[_GQA_AFTER_MASK] if len(args) > _GQA_AFTER_MASK else kwargs.get("enable_gqa", False)
+        config = args[_CONFIG_AFTER_MASK] if len(args) > _CONFIG_AFTER_MASK else kwargs.get("_parallel_config")
         needs = meets.get(op)
         # An input diffusers' op refuses itself (enable_gqa) gets diffusers' own error, not one of the guards'.
         if isinstance(attn_mask, torch.Tensor) and not (gqa and needs is not None and needs.refuses_gqa):
             if qwen:
-                config = args[_CONFIG_AFTER_MASK] if len(args) > _CONFIG_AFTER_MASK else None
-                attn_mask = in_kv_order(
-                    attn_mask, query, key, kwargs.get("_parallel_config", config), anything=anything
-                )
+                attn_mask = in_kv_order(attn_mask, query, key, config, anything=anything)
             if grad:
                 refuse_mask_grad(attn_mask)
             # A mask that requires grad goes on as it came: with the mask-grad guard off, the op's policy refuses it.
             if needs is not None and needs.converts_masks and not attn_mask.requires_grad:
                 attn_mask = mask_policy(query, key, value, attn_mask)
+            if heads and op is not None and per_head(attn_mask, query, config):
+                # diffusers' forward gathers the mask (every rank's whole one) before the op: the op cuts it.
+                op = cut_to_rank(op, config)
+                if len(args) > _FORWARD_OP_AFTER_MASK:
+                    args = (*args[:_FORWARD_OP_AFTER_MASK], op, *args[_FORWARD_OP_AFTER_MASK + 1 :])
+                else:
+                    kwargs = {**kwargs, "forward_op": op}
         return shipped(ctx, query, key, value, attn_mask, *args, **kwargs)
 
     name = "Ulysses anything" if anything else "Ulysses"
@@ -106,13 +118,30 @@ def forward(shipped: Any, broken: frozenset[str], meets: dict[Any, ForwardOp], *
     return ulysses_attention_forward
 
 
-def backward(shipped: Any, inputs: int) -> Any:
-    """diffusers' Ulysses backward ``shipped``, its result padded with ``None`` to one gradient per input."""
+def backward(shipped: Any, broken: frozenset[str], inputs: int) -> Any:
+    """diffusers' Ulysses backward ``shipped`` (``ulysses_kv_length``: the package's own in its place, returning as
+    many gradients), its result padded with ``None`` to one gradient per input of the forward (``inputs``) where
+    ``ulysses_grad_count`` is broken."""
+    own = "ulysses_kv_length" in broken
+    pad = "ulysses_grad_count" in broken
+    returned = 0
+    if own:  # how many diffusers' own returns (the gradient count is ulysses_grad_count's, not this step's)
+        grads, error = run_ulysses_backward(shipped, shipped)
+        assert grads is not None, error  # the Ulysses checks ran it on the shipped code before the build
+        returned = len(grads)
 
     def ulysses_attention_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> Any:
-        if _ledger.recording:
-            _ledger.reached(ulysses_grad_count.FIX_ID)
-        grads = tuple(shipped(ctx, grad_out, *args))
-        return grads + (None,) * (inputs - len(grads))
+        grads: tuple[Any, ...]
+        if own:
+            # diffusers' all-to-all as its own backward sees it (a check's stand-in copy of it sees a stand-in).
+            grads = routed_back(ctx, grad_out, shipped.__globals__[ALL_TO_ALL])
+            grads += (None,) * (returned - len(grads))
+        else:
+            grads = tuple(shipped(ctx, grad_out, *args))
+        if pad:
+            if _ledger.recording:
+                _ledger.reached(ulysses_grad_count.FIX_ID)
+            grads += (None,) * (inputs - len(grads))
+        return grads
 
     return ulysses_attention_backward

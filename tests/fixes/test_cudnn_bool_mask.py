@@ -267,6 +267,8 @@ print(json.dumps(result))
         "cudnn_masked_row_grads",
         "flash_input_alignment",
         "ring_grad_route",
+        "ulysses_head_mask",
+        "ulysses_kv_length",
         "ulysses_mask_grad",
     ]
     for mask in ("bool", "float32"):
