@@ -129,7 +129,9 @@ def apply() -> Report:
 
     _hook.arm()
     _switches.check_environment()
-    _registry.apply_to(importlib.import_module(_switches.MODULE_NAME))  # a first import fires the hook
+    module = importlib.import_module(_switches.MODULE_NAME)  # a first import fires the hook
+    _hook.import_first()
+    _registry.apply_to(module)
     if _switches.enabled():
         _hook.install_prober()
     return _registry.status()

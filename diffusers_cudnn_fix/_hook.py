@@ -11,12 +11,14 @@ patches again once it is imported (diffusers imports it after the attention modu
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import sys
 import threading
 from types import ModuleType
 
 from . import _switches
-from ._target_names import TARGETS
+from ._target_names import IMPORTED_FIRST, TARGETS
 from ._warnings import FixNotAppliedWarning, explain, report
 
 _lock = threading.Lock()
@@ -62,6 +64,17 @@ def install_prober() -> None:
     _devices.set_prober(_probe.maybe_probe)
 
 
+def import_first() -> None:
+    """Import the target modules the checks need loaded (``IMPORTED_FIRST``) where they are not yet. Imported here,
+    such a module's own hook checks and patches at once, and the caller's apply then finds it done. One that cannot be
+    imported (a build without it, a broken dependency of it) must not cost the attention fixes: the checks then say
+    what is missing."""
+    for name in IMPORTED_FIRST:
+        if name not in sys.modules:
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
+
+
 def on_import(_: ModuleType) -> None:
     """Check and patch diffusers' attention module (where imported), once it or a module of a target is. Never
     raises."""
@@ -73,6 +86,8 @@ def on_import(_: ModuleType) -> None:
         # never come on a CPU).
         _switches.check_environment()
         from ._registry import apply_to
+
+        import_first()
 
         apply_to(module, scan_references=bool(_late))
         install_prober()

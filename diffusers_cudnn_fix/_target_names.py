@@ -18,9 +18,18 @@ ULYSSES_ANYTHING_FORWARD = "TemplatedUlyssesAnythingAttention.forward"
 FLASH_BACKEND = "_AttentionBackendRegistry._backends[_native_flash]"
 #: QwenImage's attention processor, which knows the text length its joint mask needs (qwen_joint_mask_order).
 QWEN_PROCESSOR = "diffusers.models.transformers.transformer_qwenimage:QwenDoubleStreamAttnProcessor2_0.__call__"
+#: diffusers' entry to context parallelism for a model, which applies its plan (cp_gather_grads refuses training where
+#: the plan gathers inside the model).
+ENABLE_PARALLELISM = "diffusers.models.modeling_utils:ModelMixin.enable_parallelism"
+#: Modules of targets that the hook imports, where they are not yet, before it checks diffusers' attention module:
+#: every model imports them anyway, and a check must not find its target missing only because of the import order.
+IMPORTED_FIRST = (ENABLE_PARALLELISM.partition(":")[0],)
+#: Where cp_gather_grads' bug lies (not a target: the package replaces nothing there); what ``verify
+#: --without-package`` watches for it (``Fix.bug_in``).
+GATHER_BACKWARD = "diffusers.hooks.context_parallel:AllGatherFunction.backward"
 
 #: Every target, in the order of the public :data:`diffusers_cudnn_fix.TARGETS`.
 TARGETS = (
     CUDNN_FORWARD, CUDNN_BACKWARD, FLASH_FORWARD, FLASH_BACKWARD, RING_FORWARD, RING_BACKWARD, ULYSSES_FORWARD,
-    ULYSSES_BACKWARD, ULYSSES_ANYTHING_FORWARD, FLASH_BACKEND, QWEN_PROCESSOR,
+    ULYSSES_BACKWARD, ULYSSES_ANYTHING_FORWARD, FLASH_BACKEND, QWEN_PROCESSOR, ENABLE_PARALLELISM,
 )  # fmt: skip

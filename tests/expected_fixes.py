@@ -32,6 +32,9 @@ CARRIES: dict[str, frozenset[str]] = {
     # mask reaches the op with every head; dK / dV are reshaped with the queries' length (issue #42's LTX findings).
     "ulysses_head_mask": _WITH_OPS,
     "ulysses_kv_length": _WITH_OPS,
+    # diffusers' all-gather backward keeps this rank's chunk of a gradient it assumes equal on every rank (every
+    # release with context parallelism); a plan that gathers inside the model (Helios) trains wrong with it.
+    "cp_gather_grads": _WITH_OPS,
 }
 CORRECTIONS = ("cudnn_forward_lse", "cudnn_backward_kv", "flash_backward_kv", "ulysses_grad_count")
 CORRECTIONS += ("ring_grad_route", "qwen_joint_mask_order", "ulysses_head_mask", "ulysses_kv_length")

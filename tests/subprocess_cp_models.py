@@ -1,4 +1,5 @@
-"""Two-rank Ulysses context parallelism of a tiny real LTX-Video transformer with its text mask, on CPU (gloo).
+"""Two-rank Ulysses context parallelism of a tiny real LTX-Video transformer with its text mask, or of a tiny
+Helios (``"model": "helios"``), on CPU (gloo).
 
 Run in a fresh interpreter whose ``PYTHONPATH`` starts with one diffusers release (``releases.run`` does it), by
 tests/test_cp_models.py::
@@ -12,14 +13,16 @@ processes and waits for them under a deadline. Each rank runs on one torch threa
    import orders in one job), with ``DIFFUSERS_CUDNN_FIX_SKIP`` set to the job's ``skip`` (or unset);
 2. builds the tiny LTX (``LTX_CONFIG``, fp32, seeded) and its inputs: a text mask that pads the last tokens of
    each prompt (``TEXT_MASK``), which LTX's attention processor repeats per head (``[B, heads, 1, S_kv]``), as the
-   cross-attention's mask;
+   cross-attention's mask; or the tiny Helios (``HELIOS_CONFIG``: its plan splits and gathers around each
+   attention and feed-forward, so the model runs replicated in between);
 3. computes the one-process reference: the same model and inputs with diffusers' ``native`` backend and no
    parallel config (output and every parameter's gradient of the loss);
 4. joins a 2-rank gloo group (``file://`` rendezvous in a temporary folder), sets the ``native`` backend and calls
    ``enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))``: diffusers shards the video tokens,
    the text tokens and the text mask with LTX's ``_cp_plan`` and gathers the output. Then an inference forward
    (``no_grad``) and a training step (forward, MSE loss, backward); the parameter gradients are summed over the
-   ranks (each rank's are partial sums over its shard) and compared with the reference;
+   ranks (each rank's are partial sums over its shard) and compared with the reference; each gradient off by more
+   than ``OFF`` is reported with the ratio of the summed gradient to the reference (``off_ratios``);
 5. writes one JSON file; the launcher prints every job's ranks as one JSON line.
 
 Seam on 0.42.x: ``ModelMixin._resolve_parallel_config`` computes ``rank % torch.accelerator.device_count()``, which
@@ -51,6 +54,23 @@ LTX_CONFIG = dict(
     num_layers=1,
     caption_channels=8,
 )
+#: Tiny Helios: 2 heads of 16, 40 blocks (its plan names blocks 0-39, so fewer fail in ``enable_parallelism``).
+HELIOS_CONFIG = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=16,
+    in_channels=4,
+    out_channels=4,
+    text_dim=8,
+    freq_dim=16,
+    ffn_dim=32,
+    num_layers=40,
+    rope_dim=(4, 6, 6),
+)
+#: Helios' latents: 2 frames of 8 x 8, patched 2 x 2: 32 video tokens (16 a rank); 8 text tokens.
+HELIOS_LATENT = (1, 4, 2, 8, 8)
+#: A gradient counts as off where its relative error exceeds this (fp32 on both sides: measured ~1e-6).
+OFF = 1e-3
 #: 2 latent frames of 4 x 4: 32 video tokens (16 a rank); 8 text tokens (4 a rank), so the cross-attention's keys
 #: are shorter than its queries. The text mask pads the last 2 and 5 tokens of the two prompts.
 FRAMES, HEIGHT, WIDTH = 2, 4, 4
@@ -64,8 +84,9 @@ JOB_MARK = "--- subprocess_cp_models job "
 
 
 def launch_many(jobs: list[dict[str, Any]]) -> None:
-    """Run the jobs (each ``{"package": bool, "skip": fix id or None}``) one after the other, each with two ranks
-    forked from this launcher; print ``{"jobs": [result, ...]}`` as one JSON line, in the order given."""
+    """Run the jobs (each ``{"package": bool, "skip": fix id or None, "model": "ltx" (default) or "helios"}``) one
+    after the other, each with two ranks forked from this launcher; print ``{"jobs": [result, ...]}`` as one JSON line,
+    in the order given."""
     import torch  # noqa: F401  (once, before the forks: each rank would otherwise import it again)
 
     results = []
@@ -87,7 +108,7 @@ def _run_job(job: dict[str, Any]) -> dict[str, Any]:
     started = time.monotonic()
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="cp_models_") as tmp:
-        spec = {"package": job["package"], "tmp": tmp}
+        spec = {"package": job["package"], "tmp": tmp, "model": job.get("model", "ltx")}
         procs = [ctx.Process(target=rank_main, args=(rank, spec), daemon=True) for rank in range(WORLD_SIZE)]
         for proc in procs:
             proc.start()
@@ -145,7 +166,7 @@ def _run_rank(rank: int, spec: dict[str, Any], result: dict[str, Any]) -> None:
     if pkg is not None:
         result["applied"] = sorted(f.id for f in pkg.status().fixes if f.applied)
 
-    model, inputs, target = _build()
+    model, inputs, target = _build_helios() if spec.get("model") == "helios" else _build()
     reference = _step(copy.deepcopy(model), inputs, target)
     dist.init_process_group(
         "gloo",
@@ -155,6 +176,8 @@ def _run_rank(rank: int, spec: dict[str, Any], result: dict[str, Any]) -> None:
         timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
     )
     model, result["seam"] = _parallelise(model)
+    if pkg is not None:  # again: a model's import brings diffusers' ModelMixin, whose enable_parallelism is a target
+        result["applied"] = sorted(f.id for f in pkg.status().fixes if f.applied)
     try:
         with torch.no_grad():
             out = model(**inputs, return_dict=False)[0]
@@ -168,13 +191,17 @@ def _run_rank(rank: int, spec: dict[str, Any], result: dict[str, Any]) -> None:
         result.update(status="training_raised", error=_said(exc), where=_where(exc))
         return
     result["output_error"] = _relative(step["out"], reference["out"])
-    errors = {}
+    errors, ratios = {}, {}
     for name, grad in step["grads"].items():
         summed = grad.clone()
         dist.all_reduce(summed)  # the ranks' partial sums over their shards
-        errors[name] = _relative(summed, reference["grads"][name])
+        ref = reference["grads"][name]
+        errors[name] = _relative(summed, ref)
+        if errors[name] > OFF:  # how far off, as the ratio of the summed gradient to one process's (projection)
+            ratios[name] = round(float((summed * ref).sum() / (ref * ref).sum().clamp_min(1e-30)), 3)
     worst = max(errors, key=errors.__getitem__)
     result.update(status="ok", grad_worst=errors[worst], grad_worst_param=worst, compared_params=len(errors))
+    result.update(grads_off=len(ratios), off_ratios=ratios)
 
 
 def _build() -> tuple[Any, dict[str, Any], Any]:
@@ -197,6 +224,23 @@ def _build() -> tuple[Any, dict[str, Any], Any]:
         "width": WIDTH,
     }
     return model, inputs, torch.randn(batch, tokens, LTX_CONFIG["out_channels"], generator=gen)
+
+
+def _build_helios() -> tuple[Any, dict[str, Any], Any]:
+    """The tiny Helios (fp32, seeded), its inputs and an MSE target."""
+    import torch
+    from diffusers import HeliosTransformer3DModel
+
+    torch.manual_seed(0)
+    model = HeliosTransformer3DModel(**HELIOS_CONFIG)
+    model.set_attention_backend(BACKEND)
+    gen = torch.Generator().manual_seed(1)
+    inputs = {
+        "hidden_states": torch.randn(*HELIOS_LATENT, generator=gen),
+        "timestep": torch.tensor([500]),
+        "encoder_hidden_states": torch.randn(HELIOS_LATENT[0], 8, HELIOS_CONFIG["text_dim"], generator=gen),
+    }
+    return model, inputs, torch.randn(*HELIOS_LATENT, generator=gen)
 
 
 def _step(model: Any, inputs: dict[str, Any], target: Any) -> dict[str, Any]:

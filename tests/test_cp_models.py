@@ -1,5 +1,6 @@
-"""A tiny real LTX-Video transformer with its text mask under diffusers' own Ulysses context parallelism (degree 2,
-two gloo ranks, the ``native`` backend on the CPU; ``subprocess_cp_models.py``): issue #42's LTX findings.
+"""A tiny real LTX-Video transformer with its text mask, and a tiny Helios, under diffusers' own Ulysses context
+parallelism (degree 2, two gloo ranks, the ``native`` backend on the CPU; ``subprocess_cp_models.py``): issue #42's
+LTX findings and its Helios item (``cp_gather_grads``).
 
 LTX's attention processor repeats the text mask per head (``[B, heads, 1, S_kv]``) and its cross-attention's keys
 (the text) are shorter than its queries (the video). Per release one launcher runs four jobs:
@@ -11,6 +12,10 @@ LTX's attention processor repeats the text mask per head (``[B, heads, 1, S_kv]`
 * with the package but ``ulysses_head_mask`` skipped: the same forward error;
 * with the package but ``ulysses_kv_length`` skipped: the forward is right and the backward raises the issue's
   "is invalid for input of size".
+
+Helios (its plan splits and gathers around each attention and feed-forward): without the package the output is
+exact and the parameters run replicated between those pairs get wrong gradients (issue #42: 51 of 1,095); with it,
+inference runs and matches one process, and the training step is refused with ``UnsafeAttentionError``.
 
 0.39.0 and 0.41.0, the releases the issue names (0.40.0 and 0.42.x carry the same Ulysses code and LTX model as
 0.39.0 and 0.41.0; ``CP_MODELS_RELEASES=all`` runs them too). Before 0.39.0 LTX's mask fails under Ulysses for
@@ -39,6 +44,8 @@ JOBS = {
     "none": {"package": False, "skip": None},
     "skip_head_mask": {"package": True, "skip": "ulysses_head_mask"},
     "skip_kv_length": {"package": True, "skip": "ulysses_kv_length"},
+    "helios_package": {"package": True, "skip": None, "model": "helios"},
+    "helios_none": {"package": False, "skip": None, "model": "helios"},
 }
 _results: dict[str, dict[str, dict]] = {}
 
@@ -78,3 +85,35 @@ def test_without_the_own_backward_the_backward_fails(version: str) -> None:
     for rank in job["ranks"]:
         assert rank["inference_error"] <= TOLERANCE, rank
         assert rank["status"] == "training_raised" and BACKWARD_ERROR in rank["error"], rank
+
+
+#: Helios' parameters that run between its plan's split/gather pairs, replicated on every rank (issue #42).
+REPLICATED = ("patch_embedding.", "condition_embedder.time_", "norm_out.", "proj_out.")
+
+
+def _replicated(name: str) -> bool:
+    return name.startswith(REPLICATED) or (name.startswith("blocks.") and name.endswith(".scale_shift_table"))
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_helios_training_is_refused_with_the_package(version: str) -> None:
+    job = _jobs(version)["helios_package"]
+    assert not job["timed_out"], job
+    for rank in job["ranks"]:
+        assert "cp_gather_grads" in rank["applied"], rank
+        assert rank["inference_error"] <= TOLERANCE, rank
+        assert rank["status"] == "training_raised" and rank["error"].startswith("UnsafeAttentionError"), rank
+        assert "gathers the output of blocks.*.attn1, blocks.*.attn2, blocks.*.ffn" in rank["error"], rank
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_without_the_package_helios_trains_wrong(version: str) -> None:
+    """The control: the output is exact; the gradients off are the replicated parameters', summed over the two
+    ranks 1.5 - 2 x one process's (counted up to twice), and every gradient inside the pairs is right."""
+    job = _jobs(version)["helios_none"]
+    for rank in job["ranks"]:
+        assert rank["status"] == "ok" and rank["output_error"] <= TOLERANCE, rank
+        off = rank["off_ratios"]
+        assert off and all(_replicated(name) for name in off), sorted(off)
+        assert all(1.4 <= ratio <= 2.05 for ratio in off.values()), off
+        assert {"proj_out.weight", "norm_out.scale_shift_table"} <= off.keys(), sorted(off)

@@ -418,7 +418,8 @@ def test_reloading_diffusers_module_is_noticed_and_reapplied() -> None:
         preloaded=True,
     )
     assert result["after_reload"]["ok"] is False
-    assert all(not f["applied"] for f in result["after_reload"]["fixes"])
+    # The reload replaces the attention module's objects; diffusers' ModelMixin, where cp_gather_grads is, stays.
+    assert all(not f["applied"] for f in result["after_reload"]["fixes"] if f["id"] != "cp_gather_grads")
     assert result["status"]["ok"] is True
     assert sorted(f["id"] for f in result["status"]["fixes"] if f["applied"]) == result["before"]
 

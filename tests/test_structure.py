@@ -45,11 +45,13 @@ LAYERS = {
     "fixes.flash_cp_ignored": 4,
     "fixes.ulysses_head_mask": 4,
     "fixes.ulysses_kv_length": 4,
+    "fixes.cp_gather_grads": 4,
     # One replacement per target, built from the policies of the fixes found broken.
     "targets.ring": 5,
     "targets.cudnn": 6,
     "targets.flash": 6,
     "targets.ulysses": 6,
+    "targets.models": 6,
     "targets": 7,
     "_report": 5,
     "_registry": 8,

@@ -25,7 +25,11 @@ from diffusers_cudnn_fix.fixes import ALL_FIXES
 ROOT = Path(__file__).resolve().parents[1]
 UPSTREAM = ROOT / "upstream"
 NEWEST = "0.42.1"
-OPEN = sorted(fix.id for fix in ALL_FIXES if Version(NEWEST) in SpecifierSet(fix.affected))
+#: The bugs open on the newest release that have an upstream report (cp_gather_grads has none: the rule diffusers
+#: needs is not proven, docs/fixes.md).
+OPEN = sorted(
+    fix.id for fix in ALL_FIXES if Version(NEWEST) in SpecifierSet(fix.affected) and fix.upstream_issue is not None
+)
 FILES = ("reproduce.py", "fix.patch", "test_{id}.py", "ISSUE.md")
 
 
@@ -114,8 +118,8 @@ print(json.dumps(diffusers_cudnn_fix.status().to_dict()))
 @pytest.mark.slow
 def test_on_the_patched_release_the_checks_find_the_bugs_fixed(tmp_path: Path) -> None:
     """All eight patches applied to a copy of 0.42.1: each fix's check finds its bug gone by behaviour (the version
-    string still says 0.42.1), nothing is applied for it and the doctor points at no upstream folder for it; with
-    nothing left to fix, its advice is that the package can be removed (#32). cudnn_bool_mask included: its patch
+    string still says 0.42.1), nothing is applied for it and the doctor points at no upstream folder for it; only a
+    bug with no upstream patch is left, and the advice names it alone (#32). cudnn_bool_mask included: its patch
     converts the mask before Ulysses all-gathers it (torch.compile mistypes a gathered bool tensor)."""
     shutil.copytree(_release() / "diffusers", tmp_path / "diffusers", ignore=shutil.ignore_patterns("__pycache__"))
     for fix_id in OPEN:
@@ -135,8 +139,14 @@ def test_on_the_patched_release_the_checks_find_the_bugs_fixed(tmp_path: Path) -
     for fix_id in (*PYTHON_LEVEL, "cudnn_masked_row_grads"):
         assert fixes[fix_id]["detected"] == "ok" and not fixes[fix_id]["applied"], fixes[fix_id]
         assert doctor["shipped_check"][fix_id] == "ok", (fix_id, doctor["shipped_check"])
-    assert doctor["applied"] == [] and doctor["needs"]["guards"] == [], doctor
-    assert doctor["upstream"] == {}, doctor["upstream"]
-    assert doctor["advice"] == "remove" and doctor["exit_status"] == 0, doctor
+    # What has no upstream patch (cp_gather_grads: Helios' gradients) is still needed on the patched copy: with the
+    # rest fixed, the advice is "keep", naming it alone.
+    no_patch = sorted(
+        f.id for f in ALL_FIXES if Version(NEWEST) in SpecifierSet(f.affected) and f.upstream_issue is None
+    )
+    assert doctor["applied"] == no_patch and doctor["upstream"] == {}, doctor
+    assert doctor["advice"] == ("keep" if no_patch else "remove") and doctor["exit_status"] == 0, doctor
+    needed = [*doctor["needs"]["corrections"], *doctor["needs"]["only_for"], *doctor["needs"]["guards"]]
+    assert sorted(needed) == no_patch, doctor["needs"]
     advice = " ".join(run("-m", "diffusers_cudnn_fix", "--no-gpu").split())
-    assert f"Nothing to fix here: diffusers {NEWEST} needs none of this package's fixes" in advice
+    assert doctor["advice_text"] in advice, advice

@@ -9,9 +9,11 @@ from .._switches import mask_mode
 from .._target_names import (
     CUDNN_BACKWARD,
     CUDNN_FORWARD,
+    ENABLE_PARALLELISM,
     FLASH_BACKEND,
     FLASH_BACKWARD,
     FLASH_FORWARD,
+    GATHER_BACKWARD,
     QWEN_PROCESSOR,
     RING_BACKWARD,
     RING_FORWARD,
@@ -108,4 +110,11 @@ ALL_FIXES: tuple[Fix, ...] = (
         "another length fails", "not reported upstream as of diffusers 0.42.1", ">=0.36.0", (ULYSSES_BACKWARD,),
         only_for_on=(">=0.36.0", "Ulysses training with keys of another length than the queries (LTX, LTX2)"),
         upstream_issue=PATCH_FOR_DIFFUSERS, reached_by=NO_VERIFY_RUN, reached_when="never"),
+    Fix("cp_gather_grads", "a context-parallel plan that gathers inside the model (Helios) gives the parameters run "
+        "replicated between its split/gather pairs wrong gradients, silently", "not reported upstream as of "
+        "diffusers 0.42.1", ">=0.36.0", (ENABLE_PARALLELISM,), "guard",
+        only_for_on=(">=0.36.0", "context-parallel training of a model whose plan gathers inside it (Helios)"),
+        matters_to="context-parallel training of Helios",
+        reached_by="none of verify's models (Flux, QwenImage): context-parallel training of Helios",
+        bug_in=(GATHER_BACKWARD,), reached_when="never"),
 )  # fmt: skip

@@ -262,6 +262,7 @@ print(json.dumps(result))
         preloaded=True,
     )
     assert result["applied"] == [
+        "cp_gather_grads",
         "cudnn_bool_mask",
         "cudnn_input_dtypes",
         "cudnn_masked_row_grads",
