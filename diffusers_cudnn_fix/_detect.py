@@ -26,6 +26,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._fix import Finding, Lookup
 
+
+def spreads(config: Any) -> bool:
+    """Whether ``config`` (diffusers' ``ParallelConfig``, or a ``ContextParallelConfig``) spreads attention over
+    more than one rank; degrees that cannot be read count as doing so (a guard then acts rather than stay silent).
+    Plain attribute reads: the flash backend's guard calls it on every call."""
+    cp = getattr(config, "context_parallel_config", config)
+    if cp is None:
+        return False
+    ulysses, ring = (getattr(cp, name, None) for name in ("ulysses_degree", "ring_degree"))
+    return not (isinstance(ulysses, int) and isinstance(ring, int)) or ulysses * ring > 1
+
+
 # Model layout (B, S, H, D) shapes used by the check. All distinct so that a swapped pair of dims is visible.
 BATCH, SEQ_Q, SEQ_KV, HEADS, HEAD_DIM = 2, 5, 7, 3, 8
 

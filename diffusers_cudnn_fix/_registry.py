@@ -248,7 +248,7 @@ def apply_to(module: ModuleType, *, scan_references: bool = True) -> None:
 def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> None:
     """Check every fix on the shipped code, build and verify the replacements, install them; record each fix."""
     fixes = _fixes()
-    findings = {fix.id: check_of(fix)(Objects(module)) for fix in fixes}
+    findings = check_shipped(module)
     wanted = {i for i, f in findings.items() if f.state == "broken" and i not in skipped}
     built, failed = _build(module, wanted)
     applied = wanted - failed.keys()

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .. import _ledger
-from .._detect import rebuilt_around, with_globals
+from .._detect import rebuilt_around, spreads, with_globals
 from .._fix import Finding, Lookup, shipped_of
 from .._warnings import UnsafeAttentionError, explain
 from . import ENABLE_PARALLELISM
@@ -85,16 +85,6 @@ def gathers_inside(plan: Any) -> list[str]:
     found = [key for key in gathered if any(_same_module(key, other) for other in split)]
     # Helios names its blocks one by one (blocks.0.attn1 ... blocks.39.attn1): said once, with its pattern.
     return list(dict.fromkeys(re.sub(r"\.\d+(?=\.|$)", ".*", key) for key in found))
-
-
-def spreads(config: Any) -> bool:
-    """Whether ``config`` (diffusers' ``ParallelConfig``, or a ``ContextParallelConfig``) spreads attention over
-    more than one rank; degrees that cannot be read count as doing so."""
-    cp = getattr(config, "context_parallel_config", config)
-    if cp is None:
-        return False
-    ulysses, ring = (getattr(cp, name, None) for name in ("ulysses_degree", "ring_degree"))
-    return not (isinstance(ulysses, int) and isinstance(ring, int)) or ulysses * ring > 1
 
 
 def message(modules: list[str]) -> str:

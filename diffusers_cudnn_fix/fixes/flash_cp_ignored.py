@@ -31,21 +31,11 @@ MESSAGE = explain("this diffusers' _native_flash attention ignores context paral
                   "by this package), or upgrade diffusers to >= 0.37.0.", "fixes.md#flash_cp_ignored")  # fmt: skip
 
 
-def spreads(parallel_config: Any) -> bool:
-    """Whether ``parallel_config`` (a diffusers ``ParallelConfig``) spreads attention over more than one rank;
-    a context-parallel config whose degrees cannot be read counts as doing so."""
-    cp = getattr(parallel_config, "context_parallel_config", None)
-    if cp is None:
-        return False
-    ulysses, ring = (getattr(cp, name, None) for name in ("ulysses_degree", "ring_degree"))
-    return not (isinstance(ulysses, int) and isinstance(ring, int)) or ulysses * ring > 1
-
-
 def refuse_context_parallel(parallel_config: Any) -> None:
     """Raises where the backend would run under context parallelism (it ignores it)."""
     if _ledger.recording:
         _ledger.reached(FIX_ID)
-    if parallel_config is not None and spreads(parallel_config):
+    if parallel_config is not None and _detect.spreads(parallel_config):
         raise UnsafeAttentionError(MESSAGE)
 
 
