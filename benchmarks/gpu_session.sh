@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_session.sh stacks  # the training-stack GPU tests only (raw gpu-stacks-*.json)
 #   bash benchmarks/gpu_session.sh import  # bench_import.py on that machine's CPU
 #   bash benchmarks/gpu_session.sh references  # tests/test_references.py under that machine's Python
+#   bash benchmarks/gpu_session.sh ringmask  # ring attention with masks on the real kernels (0.39.0, 0.42.1;
+#                                          # tests/test_gpu_ring_masks.py), about 2 min
 #   bash benchmarks/gpu_session.sh keypad  # key-padding masks: bench_gpu.py --sections keypad on 0.39.0 and
 #                                          # 0.42.1, and tests/test_gpu_key_padding.py (about 3 min)
 #   bash benchmarks/gpu_session.sh verify   # `diffusers-cudnn-fix verify` on this GPU: tests/test_gpu_verify.py
@@ -36,6 +38,7 @@ export PYTHONPATH=/tmp/site
 export DIFFUSERS_WHEELS=$PWD/.whl  # tests/releases.py installs each release from there, offline
 RELEASES="0.36.0 0.39.0 0.40.0 0.42.1"
 [ "${1:-}" = upstream ] && RELEASES=0.42.1  # the upstream mode needs (and carries the wheel of) 0.42.1 only
+[ "${1:-}" = ringmask ] && RELEASES="0.39.0 0.42.1"  # as tests/test_gpu_ring_masks.py runs them
 python3 tests/releases.py $RELEASES >/dev/null || exit 1
 
 # Process groups started by the tests / the random-case runner, ended if a step's time limit stops its parent.
@@ -143,6 +146,16 @@ tests)
 import)
     step import "${DCF_IMPORT_LIMIT:-540}" python3 benchmarks/bench_import.py --runs 15 \
         --out "$OUT/bench-import-gpu-host.json" 2>&1 | tee "$OUT/bench-import-gpu-host.log"
+    ;;
+ringmask)
+    # Ring attention with masks on the real kernels (a thread per ring rank, degrees 2 - 4): every mask kind and
+    # layout through the package's ring, the flash refusal and diffusers' own ring as the control (raw JSON
+    # gpu-ring-masks-<release>.json), about 2 min.
+    python3 -c "import torch; print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version())" \
+        >"$OUT/gpu-session.log" 2>&1
+    step "ring masks" "${DCF_TESTS_LIMIT:-240}" env DIFFUSERS_CUDNN_FIX_RESULTS=$OUT \
+        python3 -m pytest tests/test_gpu_ring_masks.py -q -p no:cacheprovider -rfEs 2>&1 \
+        | tee "$OUT/gpu-ring-masks-tests.log"
     ;;
 keypad)
     # Key-padding masks run on the valid keys alone: timings side by side (0.39.0: the package's corrected op

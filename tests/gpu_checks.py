@@ -265,6 +265,71 @@ def ring_chunks() -> dict[str, Any]:
     return {"ring_patched": "forward" in shipped, "ring_replaced": sorted(shipped), "cases": results}
 
 
+#: Shapes of the masked ring cases on the GPU: the threaded ring's own (4 tokens a rank, head dim 8), and one with
+#: the head dim and a token count a real model has (alignment of the kernel's bias and its strides).
+RING_MASK_SHAPES = {"tiny": (2, 4, 2, 8), "model": (1, 64, 2, 64)}
+
+
+def ring_masks(device: str = "cuda") -> dict[str, Any]:
+    """``TemplatedRingAttention`` with a mask on the real kernels at ring degrees 2 - 4 (a thread per ring rank):
+    every mask kind and layout of ``threaded_ring.MASK_KINDS`` through the installed (corrected) ring on the cuDNN
+    ops, judged by the probe's rule against fp32 attention over the whole sequence; a mask that masks nothing
+    must reach no op (``masked_calls`` 0). The flash ops take no mask: their masked ring must be refused. And
+    the control where the package replaced the ring: diffusers' own ring forward/backward with a key-padding mask.
+    ``device="cpu"``: the same on the CPU stand-in kernels (tests/test_gpu_ring_masks.py's dry run)."""
+    import threaded_ring
+
+    diffusers_cudnn_fix.apply()
+    shipped = {
+        name: diffusers_cudnn_fix.get_original(f"TemplatedRingAttention.{name}").__func__
+        for name in ("forward", "backward")
+        if diffusers_cudnn_fix.is_patched(f"TemplatedRingAttention.{name}")
+    }
+    results: dict[str, Any] = {}
+    for shape_name, shape in RING_MASK_SHAPES.items():
+        for world in RING_WORLDS:
+            for kind, layouts in threaded_ring.MASK_KINDS.items():
+                mask = threaded_ring.make_mask(kind, world, seed=world, shape=shape)
+                for layout in layouts:
+                    case = threaded_ring.run(
+                        module, "cudnn", world, device=device, mask=mask, mask_layout=layout, shape=shape,
+                        seed=world, bf16_yardstick=True,
+                    )  # fmt: skip
+                    if "abs_errors" in case:
+                        case["rule_passed"] = all(
+                            probe.within_rule(case["abs_errors"][n], case["bf16_errors"][n]) for n in NAMES
+                        )
+                    case["masks_nothing"] = kind in threaded_ring.MASKS_NOTHING
+                    results[f"cudnn/{shape_name}/world={world}/{kind}/{layout}"] = case
+            mask = threaded_ring.make_mask("key_padding", world, seed=world, shape=shape)
+            if hasattr(module, threaded_ring.BACKEND_OPS["flash"][1]):
+                results[f"flash/{shape_name}/world={world}/key_padding/local"] = threaded_ring.run(
+                    module, "flash", world, device=device, mask=mask, mask_layout="local", shape=shape, seed=world
+                )
+            if shipped:
+                control = {f"ring_{name}": function for name, function in shipped.items()}
+                results[f"cudnn/{shape_name}/world={world}/key_padding/local/shipped ring"] = threaded_ring.run(
+                    module, "cudnn", world, device=device, mask=mask, mask_layout="local", shape=shape, seed=world,
+                    **control,
+                )  # fmt: skip
+    return {"ring_replaced": sorted(shipped), "cases": results}
+
+
+def main_ring_masks() -> None:
+    """Only ``ring_masks``, one JSON line."""
+    import diffusers
+
+    result = {
+        "version": diffusers.__version__,
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+        "gpu": torch.cuda.get_device_name(),
+        "ring_masks": ring_masks(),
+    }
+    print(json.dumps(result, default=str))
+    os._exit(0)
+
+
 def main_ring() -> None:
     """Only ``ring_chunks`` (the releases the GPU tests run in full have it in ``main``), one JSON line."""
     import diffusers
