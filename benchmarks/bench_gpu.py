@@ -492,6 +492,7 @@ def probe_and_ops(
 ) -> None:
     import diffusers_cudnn_fix
     from diffusers_cudnn_fix import _devices
+    from diffusers_cudnn_fix._detect import CUDNN_FORWARD_KERNEL, refuses_gqa
     from diffusers_cudnn_fix._registry import callable_of
     from diffusers_cudnn_fix._target_names import CUDNN_BACKWARD, CUDNN_FORWARD
     from diffusers_cudnn_fix.targets import cudnn
@@ -499,7 +500,8 @@ def probe_and_ops(
     ops040 = load_040_ops()
     shipped_fwd = diffusers_cudnn_fix.get_original(CUDNN_FORWARD)
     # The corrected ops alone: the replacements built with the K/V and log-sum-exp corrections only.
-    corrected_fwd = cudnn.forward_op(callable_of(shipped_fwd), frozenset({"cudnn_forward_lse"}))
+    gqa_refused = refuses_gqa(callable_of(shipped_fwd), CUDNN_FORWARD_KERNEL)
+    corrected_fwd = cudnn.forward_op(callable_of(shipped_fwd), frozenset({"cudnn_forward_lse"}), gqa_refused)
     corrected_bwd = cudnn.backward_op(
         callable_of(diffusers_cudnn_fix.get_original(CUDNN_BACKWARD)), frozenset({"cudnn_backward_kv"})
     )

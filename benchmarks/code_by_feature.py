@@ -62,7 +62,7 @@ OWNERS = {
         "run_ulysses_backward",
         STAND_INS,
     ),
-    **_each("_detect.py", "RING_CLASS RING_FORWARD_PARAMS installed_ring run_ring", RING),
+    **_each("_detect.py", "RING_FORWARD_PARAMS installed_ring run_ring", RING),
     **dict.fromkeys(("_probe.py", "_devices.py"), PROBE),
     **_each("_devices.py", "trying_views zero_copy_allowed", ZERO_COPY),
     "__main__.py": DOCTOR,

@@ -25,6 +25,7 @@ from packaging.version import Version
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._fix import Finding, Lookup
+from ._target_names import RING_BACKWARD, RING_CLASS, RING_FORWARD
 
 
 def spreads(config: Any) -> bool:
@@ -592,7 +593,6 @@ def input_count(forward: Callable[..., Any]) -> int | None:
     return None if found is None or found[1] else len(found[0]) - 1
 
 
-RING_CLASS = "TemplatedRingAttention"
 #: Positional parameters of ``TemplatedRingAttention.forward`` in 0.36.0 to 0.42.1 (the op's, with the op pair
 #: in place of ``_save_ctx``); a class whose forward takes others is left alone.
 RING_FORWARD_PARAMS = (*FORWARD_PARAMS[:-2], "forward_op", "backward_op", "_parallel_config")
@@ -600,7 +600,7 @@ RING_FORWARD_PARAMS = (*FORWARD_PARAMS[:-2], "forward_op", "backward_op", "_para
 
 def installed_ring(lookup: Lookup) -> tuple[Any, Any] | Finding:
     """The ``TemplatedRingAttention`` forward and backward as ``lookup`` sees them, or why they cannot be checked."""
-    forward, backward = lookup(f"{RING_CLASS}.forward"), lookup(f"{RING_CLASS}.backward")
+    forward, backward = lookup(RING_FORWARD), lookup(RING_BACKWARD)
     if lookup(RING_CLASS) is None or forward is None or backward is None:
         return Finding("absent", "this diffusers has no TemplatedRingAttention")
     if not all(isinstance(fn, types.FunctionType) for fn in (forward, backward)):

@@ -9,8 +9,10 @@ CUDNN_FORWARD = "_cudnn_attention_forward_op"
 CUDNN_BACKWARD = "_cudnn_attention_backward_op"
 FLASH_FORWARD = "_native_flash_attention_forward_op"
 FLASH_BACKWARD = "_native_flash_attention_backward_op"
-RING_FORWARD = "TemplatedRingAttention.forward"
-RING_BACKWARD = "TemplatedRingAttention.backward"
+#: diffusers' ring attention class (0.36+), whose forward and backward the package replaces.
+RING_CLASS = "TemplatedRingAttention"
+RING_FORWARD = f"{RING_CLASS}.forward"
+RING_BACKWARD = f"{RING_CLASS}.backward"
 ULYSSES_FORWARD = "TemplatedUlyssesAttention.forward"
 ULYSSES_BACKWARD = "TemplatedUlyssesAttention.backward"
 ULYSSES_ANYTHING_FORWARD = "TemplatedUlyssesAnythingAttention.forward"
@@ -27,6 +29,10 @@ IMPORTED_FIRST = (ENABLE_PARALLELISM.partition(":")[0],)
 #: Where cp_gather_grads' bug lies (not a target: the package replaces nothing there); what ``verify
 #: --without-package`` watches for it (``Fix.bug_in``).
 GATHER_BACKWARD = "diffusers.hooks.context_parallel:AllGatherFunction.backward"
+
+#: diffusers' entry from the attention dispatch into context parallelism (not a target): the checks of
+#: ulysses_mask_grad and flash_cp_ignored run the code that calls it with a stand-in there.
+TEMPLATED_ATTENTION = "_templated_context_parallel_attention"
 
 #: Every target, in the order of the public :data:`diffusers_cudnn_fix.TARGETS`.
 TARGETS = (

@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _detect, _ledger
 from .._fix import Finding, Lookup, shipped_of
+from .._target_names import TEMPLATED_ATTENTION
 from .._warnings import UnsafeAttentionError, explain
 from . import FLASH_BACKEND
 
@@ -24,7 +25,6 @@ from . import FLASH_BACKEND
 FIX_ID = __name__.rpartition(".")[2]
 
 #: The global of diffusers' attention module that is the templated context-parallel path.
-TEMPLATED = "_templated_context_parallel_attention"
 
 MESSAGE = explain("this diffusers' _native_flash attention ignores context parallelism.", "Each rank would attend to "
                   "its own shard only, silently, so the call is refused.", "Set the _native_cudnn backend (corrected "
@@ -82,7 +82,7 @@ def outcome(fn: Any, shipped: Any, call: dict[str, Any]) -> str:
     """Where a call of the backend ``fn`` (diffusers' function ``shipped``, or a replacement calling it as its
     keyword ``_shipped``) goes: ``"parallel"`` (diffusers' templated context-parallel path), ``"local"``
     (attention computed directly), ``"refused"`` (the package's refusal), else the error it raised."""
-    run = _detect.with_stand_ins(fn, shipped, **{TEMPLATED: _reach_templated})
+    run = _detect.with_stand_ins(fn, shipped, **{TEMPLATED_ATTENTION: _reach_templated})
     try:
         with torch.no_grad(), _StopAttention():
             run(**call)

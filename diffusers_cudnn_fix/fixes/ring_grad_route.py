@@ -18,16 +18,17 @@ import torch
 from .. import _detect, _switches
 from .._fix import Finding, Lookup
 from .._key_padding import remembered
+from .._target_names import CUDNN_BACKWARD, FLASH_BACKWARD
 from .._warnings import UnsafeAttentionError, explain
 
 FIX_ID = "ring_grad_route"
 #: The largest ring degree whose K/V gradients 0.40+'s route gets right (any backend's op runs there).
 RIGHT_UP_TO = 2
 #: diffusers' own backward ops (0.40 on) that the corrected ring drives at any ring degree.
-OPS = ("_cudnn_attention_backward_op", "_native_flash_attention_backward_op")
+OPS = (CUDNN_BACKWARD, FLASH_BACKWARD)
 #: Those of them that read the attention mask from ``ctx.attn_mask`` (the flash ops take none): the corrected ring
 #: hands each ring step its own mask there.
-MASK_OPS = ("_cudnn_attention_backward_op",)
+MASK_OPS = (CUDNN_BACKWARD,)
 #: Where the long explanation of every ring refusal lives.
 DOCS = f"fixes.md#{FIX_ID}"
 WAY_OUT = (

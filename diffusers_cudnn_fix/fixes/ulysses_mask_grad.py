@@ -16,6 +16,7 @@ import torch
 
 from .. import _detect, _ledger
 from .._fix import Finding, Lookup, shipped_of
+from .._target_names import TEMPLATED_ATTENTION
 from .._warnings import UnsafeAttentionError, explain
 from . import ULYSSES_BACKWARD, ULYSSES_FORWARD
 
@@ -23,7 +24,6 @@ from . import ULYSSES_BACKWARD, ULYSSES_FORWARD
 FIX_ID = __name__.rpartition(".")[2]
 
 #: diffusers' context-parallel entry, which calls the Ulysses class (and every other templated class).
-TEMPLATED = "_templated_context_parallel_attention"
 
 #: The mask's position among the forward's inputs (q, k, v, mask, ...), and so among the backward's gradients.
 MASK_INPUT = 3
@@ -61,8 +61,10 @@ def check(lookup: Lookup) -> Finding:
             )
         return Finding("unknown", f"the Ulysses forward could not be run in one process ({reached})")
     # It takes one (diffusers' own forward): does the context-parallel entry that calls it refuse it?
-    if _entry_refuses(lookup(TEMPLATED)):
-        return Finding("ok", f"{TEMPLATED} refuses a mask that requires grad, which the Ulysses backward never gives")
+    if _entry_refuses(lookup(TEMPLATED_ATTENTION)):
+        return Finding(
+            "ok", f"{TEMPLATED_ATTENTION} refuses a mask that requires grad, which the Ulysses backward never gives"
+        )
     return Finding("broken", "the Ulysses backward gives the mask no gradient, and the forward takes one requiring it")
 
 

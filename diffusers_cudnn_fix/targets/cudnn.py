@@ -15,40 +15,52 @@ length where the forward trimmed keys (``_key_padding.restored``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .._detect import CUDNN_FORWARD_KERNEL, refuses_gqa
 from .._fix import Lookup
 from .._key_padding import restored, trim
 from .._layout import entering, realigned_all
-from ..fixes import CUDNN_BACKWARD, CUDNN_FORWARD
+from ..fixes import (
+    CUDNN_BACKWARD,
+    CUDNN_FORWARD,
+    cudnn_backward_kv,
+    cudnn_bool_mask,
+    cudnn_forward_lse,
+    cudnn_input_dtypes,
+    cudnn_masked_row_grads,
+)
 from ..fixes.cudnn_backward_kv import corrected_backward
 from ..fixes.cudnn_bool_mask import mask_policy
 from ..fixes.cudnn_forward_lse import corrected_forward
 from ..fixes.cudnn_input_dtypes import refuse_unsupported_dtypes
 from ..fixes.cudnn_masked_row_grads import without_masked_rows
 
-FORWARD_POLICIES = frozenset({"cudnn_forward_lse", "cudnn_input_dtypes", "cudnn_bool_mask"})
-BACKWARD_POLICIES = frozenset({"cudnn_backward_kv", "cudnn_masked_row_grads"})
+FORWARD_POLICIES = frozenset({cudnn_forward_lse.FIX_ID, cudnn_input_dtypes.FIX_ID, cudnn_bool_mask.FIX_ID})
+BACKWARD_POLICIES = frozenset({cudnn_backward_kv.FIX_ID, cudnn_masked_row_grads.FIX_ID})
 
 
-def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
+def build(shipped: Lookup, broken: frozenset[str], gqa_refused: Callable[[str], bool]) -> dict[str, Any]:
+    """The cuDNN op replacements; ``gqa_refused(op)``: whether diffusers' op ``op`` raises its own error for
+    ``enable_gqa``."""
     backward = backward_op(shipped(CUDNN_BACKWARD), broken) if broken & BACKWARD_POLICIES else None
-    built = {CUDNN_FORWARD: forward_op(shipped(CUDNN_FORWARD), broken, backward)} if broken & FORWARD_POLICIES else {}
-    return built if backward is None else {**built, CUDNN_BACKWARD: backward}
+    if not broken & FORWARD_POLICIES:
+        return {} if backward is None else {CUDNN_BACKWARD: backward}
+    forward = forward_op(shipped(CUDNN_FORWARD), broken, gqa_refused(CUDNN_FORWARD), backward)
+    return {CUDNN_FORWARD: forward} if backward is None else {CUDNN_FORWARD: forward, CUDNN_BACKWARD: backward}
 
 
-def forward_op(shipped: Any, broken: frozenset[str], restoring: Any = None) -> Any:
-    """diffusers' cuDNN forward op ``shipped`` with the policies of the ``broken`` fixes. ``restoring``: the
-    package's backward op built with it, which scatters the K/V gradients of trimmed keys back: only a call whose
-    context will run it has its padded keys trimmed (``_key_padding``)."""
-    correct = "cudnn_forward_lse" in broken
-    dtypes = "cudnn_input_dtypes" in broken
-    masks = "cudnn_bool_mask" in broken
+def forward_op(shipped: Any, broken: frozenset[str], gqa_refused: bool, restoring: Any = None) -> Any:
+    """diffusers' cuDNN forward op ``shipped`` with the policies of the ``broken`` fixes. ``gqa_refused``: whether
+    ``shipped`` raises its own error for ``enable_gqa``. ``restoring``: the package's backward op built with it,
+    which scatters the K/V gradients of trimmed keys back: only a call whose context will run it has its padded
+    keys trimmed (``_key_padding``)."""
+    correct = cudnn_forward_lse.FIX_ID in broken
+    dtypes = cudnn_input_dtypes.FIX_ID in broken
+    masks = cudnn_bool_mask.FIX_ID in broken
     guarded = dtypes or masks
-    gqa_refused = refuses_gqa(shipped, CUDNN_FORWARD_KERNEL)
 
     def cudnn_attention_forward_op(
         ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -96,8 +108,8 @@ def forward_op(shipped: Any, broken: frozenset[str], restoring: Any = None) -> A
 
 def backward_op(shipped: Any, broken: frozenset[str]) -> Any:
     """diffusers' cuDNN backward op ``shipped`` with the policies of the ``broken`` fixes."""
-    correct = "cudnn_backward_kv" in broken
-    rows = "cudnn_masked_row_grads" in broken
+    correct = cudnn_backward_kv.FIX_ID in broken
+    rows = cudnn_masked_row_grads.FIX_ID in broken
 
     def cudnn_attention_backward_op(ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         mask = getattr(ctx, "attn_mask", None)

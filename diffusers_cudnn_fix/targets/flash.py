@@ -10,15 +10,22 @@ it untouched -> ``flash_cp_ignored`` (:func:`refuse_context_parallel`) -> diffus
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .. import _ledger
-from .._detect import FLASH_FORWARD_KERNEL, refuses_gqa
 from .._fix import Lookup
 from .._layout import entering, realigned_all
-from ..fixes import FLASH_BACKEND, FLASH_BACKWARD, FLASH_FORWARD, flash_input_alignment
+from ..fixes import (
+    FLASH_BACKEND,
+    FLASH_BACKWARD,
+    FLASH_FORWARD,
+    flash_backward_kv,
+    flash_cp_ignored,
+    flash_input_alignment,
+)
 from ..fixes.flash_backward_kv import corrected_backward
 from ..fixes.flash_cp_ignored import refuse_context_parallel, refuses_return_lse
 
@@ -26,20 +33,22 @@ from ..fixes.flash_cp_ignored import refuse_context_parallel, refuses_return_lse
 _GQA_AFTER_V = 4
 
 
-def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
+def build(shipped: Lookup, broken: frozenset[str], gqa_refused: Callable[[str], bool]) -> dict[str, Any]:
+    """The flash replacements; ``gqa_refused(op)``: whether diffusers' op ``op`` raises its own error for
+    ``enable_gqa``."""
     built: dict[str, Any] = {}
-    if "flash_input_alignment" in broken:
-        built[FLASH_FORWARD] = aligned_forward(shipped(FLASH_FORWARD))
-    if "flash_backward_kv" in broken:
+    if flash_input_alignment.FIX_ID in broken:
+        built[FLASH_FORWARD] = aligned_forward(shipped(FLASH_FORWARD), gqa_refused(FLASH_FORWARD))
+    if flash_backward_kv.FIX_ID in broken:
         built[FLASH_BACKWARD] = corrected_backward
-    if "flash_cp_ignored" in broken:
+    if flash_cp_ignored.FIX_ID in broken:
         built[FLASH_BACKEND] = guarded_backend(shipped(FLASH_BACKEND))
     return built
 
 
-def aligned_forward(shipped: Any) -> Any:
-    """``shipped`` (the flash forward op) handed q/k/v on 16 bytes; its signature is the shipped op's."""
-    gqa_refused = refuses_gqa(shipped, FLASH_FORWARD_KERNEL)
+def aligned_forward(shipped: Any, gqa_refused: bool) -> Any:
+    """``shipped`` (the flash forward op) handed q/k/v on 16 bytes; its signature is the shipped op's.
+    ``gqa_refused``: whether ``shipped`` raises its own error for ``enable_gqa``."""
 
     def native_flash_attention_forward_op(
         ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any

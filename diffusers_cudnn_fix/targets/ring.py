@@ -26,7 +26,15 @@ from .._detect import RING_FORWARD_PARAMS, Lookup
 from .._key_padding import remembered
 from .._layout import kernel_layout, realigned_all, with_strides_of
 from .._warnings import UnsafeAttentionError, explain
-from ..fixes import CUDNN_BACKWARD, FLASH_BACKWARD, RING_BACKWARD, RING_FORWARD, qwen_joint_mask_order, ring_grad_route
+from ..fixes import (
+    CUDNN_BACKWARD,
+    FLASH_BACKWARD,
+    RING_BACKWARD,
+    RING_FORWARD,
+    cudnn_backward_kv,
+    qwen_joint_mask_order,
+    ring_grad_route,
+)
 from ..fixes.ring_grad_route import StepOps
 
 if torch.distributed.is_available():
@@ -83,12 +91,12 @@ class _StepKept:
 def build(shipped: Lookup, broken: frozenset[str], ops: dict[str, Any]) -> dict[str, Any]:
     """The corrected ring where ``ring_grad_route`` is broken, driving the backward ops it knows: the package's
     (``ops``, built before it: the corrected ones read a step's saved tensors) and, 0.40 on, diffusers' own."""
-    if "ring_grad_route" not in broken:
+    if ring_grad_route.FIX_ID not in broken:
         return {}
     saved = ring_grad_route.reuses_first_step(shipped)
     steps = {} if saved else {shipped(n): False for n in ring_grad_route.OPS if shipped(n) is not None}
     if CUDNN_BACKWARD in ops:
-        steps[ops[CUDNN_BACKWARD]] = "cudnn_backward_kv" in broken
+        steps[ops[CUDNN_BACKWARD]] = cudnn_backward_kv.FIX_ID in broken
     if FLASH_BACKWARD in ops:
         steps[ops[FLASH_BACKWARD]] = True  # built only where it corrects the K/V
     # The ops that read a step's mask from ctx.attn_mask: diffusers' own cuDNN op (0.40 on) and the package's.

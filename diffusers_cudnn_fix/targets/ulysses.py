@@ -17,13 +17,14 @@ recognised among them by identity, and what it needs is read off its :class:`For
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .. import _ledger
-from .._detect import CUDNN_FORWARD_KERNEL, FLASH_FORWARD_KERNEL, input_count, refuses_gqa, run_ulysses_backward
+from .._detect import input_count, run_ulysses_backward
 from .._fix import Lookup
 from ..fixes import (
     CUDNN_FORWARD,
@@ -31,7 +32,12 @@ from ..fixes import (
     ULYSSES_ANYTHING_FORWARD,
     ULYSSES_BACKWARD,
     ULYSSES_FORWARD,
+    cudnn_bool_mask,
+    qwen_joint_mask_order,
     ulysses_grad_count,
+    ulysses_head_mask,
+    ulysses_kv_length,
+    ulysses_mask_grad,
 )
 from ..fixes.cudnn_bool_mask import mask_policy
 from ..fixes.qwen_joint_mask_order import QWEN_PROCESSOR, in_kv_order, processor
@@ -39,9 +45,11 @@ from ..fixes.ulysses_head_mask import cut_to_rank, per_head
 from ..fixes.ulysses_kv_length import ALL_TO_ALL, routed_back
 from ..fixes.ulysses_mask_grad import refuse_mask_grad
 
-FORWARD_POLICIES = frozenset({"qwen_joint_mask_order", "ulysses_mask_grad", "cudnn_bool_mask", "ulysses_head_mask"})
-BACKWARD_POLICIES = frozenset({"ulysses_grad_count", "ulysses_kv_length"})
-ANYTHING_POLICIES = frozenset({"qwen_joint_mask_order", "cudnn_bool_mask"})
+FORWARD_POLICIES = frozenset(
+    {qwen_joint_mask_order.FIX_ID, ulysses_mask_grad.FIX_ID, cudnn_bool_mask.FIX_ID, ulysses_head_mask.FIX_ID}
+)
+BACKWARD_POLICIES = frozenset({ulysses_grad_count.FIX_ID, ulysses_kv_length.FIX_ID})
+ANYTHING_POLICIES = frozenset({qwen_joint_mask_order.FIX_ID, cudnn_bool_mask.FIX_ID})
 #: Positions among the forward's arguments after the mask: ``enable_gqa``, ``forward_op``, ``_parallel_config``.
 _GQA_AFTER_MASK = 3
 _FORWARD_OP_AFTER_MASK = 5
@@ -56,12 +64,15 @@ class ForwardOp:
     converts_masks: bool  # the cuDNN op's mask policy runs on the mask before diffusers gathers it
 
 
-def build(shipped: Lookup, broken: frozenset[str], ops: dict[str, Any]) -> dict[str, Any]:
-    """The replacements for the ``broken`` fixes; ``ops``: the package's replacements of diffusers' ops, by target."""
-    kernels = {CUDNN_FORWARD: CUDNN_FORWARD_KERNEL, FLASH_FORWARD: FLASH_FORWARD_KERNEL}
+def build(
+    shipped: Lookup, broken: frozenset[str], ops: dict[str, Any], gqa_refused: Callable[[str], bool]
+) -> dict[str, Any]:
+    """The replacements for the ``broken`` fixes; ``ops``: the package's replacements of diffusers' ops, by target;
+    ``gqa_refused(op)``: whether diffusers' op ``op`` raises its own error for ``enable_gqa``."""
+    converts = CUDNN_FORWARD if cudnn_bool_mask.FIX_ID in broken else None
     meets = {
-        ops[name]: ForwardOp(refuses_gqa(shipped(name), kernel), name == CUDNN_FORWARD and "cudnn_bool_mask" in broken)
-        for name, kernel in kernels.items()
+        ops[name]: ForwardOp(gqa_refused(name), name == converts)
+        for name in (CUDNN_FORWARD, FLASH_FORWARD)
         if name in ops
     }
     built: dict[str, Any] = {}
@@ -70,7 +81,9 @@ def build(shipped: Lookup, broken: frozenset[str], ops: dict[str, Any]) -> dict[
     if broken & ANYTHING_POLICIES and shipped(ULYSSES_ANYTHING_FORWARD) is not None:
         anything = forward(shipped(ULYSSES_ANYTHING_FORWARD), broken & ANYTHING_POLICIES, meets, anything=True)
         built[ULYSSES_ANYTHING_FORWARD] = staticmethod(anything)
-    if "qwen_joint_mask_order" in broken and shipped(QWEN_PROCESSOR) is not None:  # hands in_kv_order the text length
+    if (
+        qwen_joint_mask_order.FIX_ID in broken and shipped(QWEN_PROCESSOR) is not None
+    ):  # hands in_kv_order the text length
         built[QWEN_PROCESSOR] = processor(shipped(QWEN_PROCESSOR))
     if broken & BACKWARD_POLICIES:
         inputs = input_count(shipped(ULYSSES_FORWARD))
@@ -82,9 +95,9 @@ def build(shipped: Lookup, broken: frozenset[str], ops: dict[str, Any]) -> dict[
 def forward(shipped: Any, broken: frozenset[str], meets: dict[Any, ForwardOp], *, anything: bool = False) -> Any:
     """diffusers' Ulysses forward ``shipped`` (``anything``: ``TemplatedUlyssesAnythingAttention``'s) with the
     policies of the ``broken`` fixes on the mask; ``meets``: the package's forward ops it may be handed."""
-    qwen = "qwen_joint_mask_order" in broken
-    grad = "ulysses_mask_grad" in broken
-    heads = "ulysses_head_mask" in broken  # not in ANYTHING_POLICIES: ulysses_anything is left as shipped
+    qwen = qwen_joint_mask_order.FIX_ID in broken
+    grad = ulysses_mask_grad.FIX_ID in broken
+    heads = ulysses_head_mask.FIX_ID in broken  # not in ANYTHING_POLICIES: ulysses_anything is left as shipped
 
     def ulysses_attention_forward(
         ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, *args: Any, **kwargs: Any
@@ -122,8 +135,8 @@ def backward(shipped: Any, broken: frozenset[str], inputs: int) -> Any:
     """diffusers' Ulysses backward ``shipped`` (``ulysses_kv_length``: the package's own in its place, returning as
     many gradients), its result padded with ``None`` to one gradient per input of the forward (``inputs``) where
     ``ulysses_grad_count`` is broken."""
-    own = "ulysses_kv_length" in broken
-    pad = "ulysses_grad_count" in broken
+    own = ulysses_kv_length.FIX_ID in broken
+    pad = ulysses_grad_count.FIX_ID in broken
     returned = 0
     if own:  # how many diffusers' own returns (the gradient count is ulysses_grad_count's, not this step's)
         grads, error = run_ulysses_backward(shipped, shipped)
