@@ -18,12 +18,11 @@ import os
 import sys
 import textwrap
 import warnings
-from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import __version__, _launcher, _switches, status
 from ._advice import decide
-from ._report import TABLE_SAYS, json_text, switched_off_by
+from ._report import columns, json_text, probe_line, render, switched_off_by, upstream_reports, wrap
 from ._warnings import DiffusersCudnnFixWarning
 
 EXIT_OK, EXIT_NOT_SAFE, EXIT_NO_DIFFUSERS, EXIT_UNVERIFIED = 0, 1, 2, 3
@@ -197,12 +196,7 @@ def collect(run_gpu: bool = True, require_gpu: bool = False) -> tuple[dict[str, 
     data["shipped_check"] = shipped
     data.update(decide(shipped, report.diffusers_version).to_dict())
     data["applied"] = [f.id for f in report.fixes if f.applied]
-    # Per fix found broken that has an upstream report (shipped in the package: ``explain`` prints it).
-    data["upstream"] = {
-        fix.id: {"issue": fix.upstream_folder, "command": fix.upstream_command, "holds": fix.upstream_issue}
-        for fix in ALL_FIXES
-        if fix.upstream_folder is not None and shipped.get(fix.id) == "broken"
-    }
+    data["upstream"] = upstream_reports(shipped)
     verified = data["advice"] == "remove" or "shipped_vs_corrected" in data  # nothing to verify, or verified on a GPU
     code = EXIT_NOT_SAFE if not report.ok else (EXIT_OK if verified else EXIT_UNVERIFIED)
     verdict = _VERDICTS[code]
@@ -215,19 +209,6 @@ def collect(run_gpu: bool = True, require_gpu: bool = False) -> tuple[dict[str, 
 # ------------------------------------------------------------------------------------------------------------
 # Text
 # ------------------------------------------------------------------------------------------------------------
-def _wrap(text: str, indent: str = "") -> str:
-    """The whole of ``text``, wrapped: nothing the doctor prints is cut."""
-    return textwrap.fill(
-        text, width=100, initial_indent=indent, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
-    )
-
-
-def _columns(rows: Sequence[Sequence[str]]) -> list[str]:
-    """Rows as aligned columns, each as wide as its widest cell, indented by two spaces."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-
-
 _HOW = [
     "  - add `import diffusers_cudnn_fix` at the top of the training entry point (the script every rank",
     "    runs), before or after diffusers; or",
@@ -243,38 +224,40 @@ def _next_step(data: dict[str, Any]) -> list[str]:
     if not status["ok"] and not status["enabled"]:
         ids = ", ".join(f["id"] for f in needing)
         off = f"the package is switched off ({switched_off_by()}), and diffusers {version} needs its fixes ({ids})"
-        return [_wrap(f"NOT SAFE: {off}. Unset {_switches.ENABLE_VAR} (or set it to 1) to turn it on.")]
+        return [wrap(f"NOT SAFE: {off}. Unset {_switches.ENABLE_VAR} (or set it to 1) to turn it on.")]
     if not status["ok"]:
         failed = [p for p in status["probes"] if p["state"] == "failed"]
         lines = [f"NOT SAFE: diffusers {version} needs fixes that are not active here:"]
-        lines += [_wrap(f"{f['id']}: {f['reason']}", "  - ") for f in needing]
-        lines += [_wrap(f"the GPU probe failed on {p['device']}: {p['reason']} (table below)", "  - ") for p in failed]
+        lines += [wrap(f"{f['id']}: {f['reason']}", "  - ") for f in needing]
+        lines += [wrap(f"the GPU probe failed on {p['device']}: {p['reason']} (table below)", "  - ") for p in failed]
         way_out = "Do not train with this backend under context parallelism here; please report this case."
         if any(f["reason_code"] == "skipped" for f in needing):
             way_out = "Take those ids out of DIFFUSERS_CUDNN_FIX_SKIP, or do not train with this backend under CP."
         return [*lines, way_out]
     sentence = data["advice_text"]
     if data["advice"] == "remove":
-        return [_wrap(f"Nothing to fix here: {sentence}")]
+        return [wrap(f"Nothing to fix here: {sentence}")]
     # The fixes are active in the doctor's process only: how to make them active in training comes next.
     applied_here = "The doctor applied them in its own process only: make them active in every process of your training"
     lead = "NEXT STEP" if data["advice"] == "apply" else "KEEP IT"
-    return [_wrap(f"{lead}: {sentence}"), _wrap(f"{applied_here} run, either way:"), *_HOW]
+    return [wrap(f"{lead}: {sentence}"), wrap(f"{applied_here} run, either way:"), *_HOW]
+
+
+_NOT_VERIFIED = """
+Not verified on a GPU here: the behavioural check above ran (on CPU, no GPU needed), the GPU probe
+could not. It runs by itself on the first CUDA call of a corrected op."""
 
 
 def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
     if "error" in data:
+        listed = [(r["id"], r["affected"], r["kind"]) for r in data["release_table"]]
         print(f"diffusers_cudnn_fix {data['version']} doctor: {data['error']}")
         print("Install diffusers and torch into this interpreter (the one that runs the training), then run the")
         print("doctor again.")
         print("\nThe release table (the releases each fix's bug is known in; the check decides once diffusers runs):")
-        listed = [(r["id"], r["affected"], r["kind"]) for r in data["release_table"]]
-        print("\n".join(_columns([("fix", "releases", "kind"), *listed])))
+        print("\n".join(columns([("fix", "releases", "kind"), *listed])))
         print(f"\nexit status {EXIT_NO_DIFFUSERS}")
         return
-    from .fixes import ALL_FIXES
-
-    notes = {fix.id: fix.note for fix in ALL_FIXES}
     status, env = data["status"], data["environment"]
     print("\n".join(_next_step(data)))
     print(
@@ -282,52 +265,32 @@ def _print_human(data: dict[str, Any], verbose: bool = False) -> None:
         f"Python {env['python']}, CUDA {env['cuda'] or 'none'}, cuDNN {env['cudnn'] or 'none'}, "
         f"GPU {env['gpu'] or 'none'}"
     )
-    if not status["enabled"]:
-        print(f"diffusers_cudnn_fix is SWITCHED OFF by {switched_off_by()}")
-
-    print("\nfixes (table: the release table lists this release; check: what the check found in the shipped code):")
-    fixes, shipped, yes = status["fixes"], data["shipped_check"], {True: "yes", False: "no"}
-    rows = [(f["id"], TABLE_SAYS[f["expected"]], shipped[f["id"]], yes[f["applied"]], f["result"]) for f in fixes]
-    header, *lines = _columns([("fix", "table", "check", "applied", "result"), *rows])
-    print(header)
-    for f, line in zip(fixes, lines, strict=True):
-        print(line)
-        print(_wrap(f["title"], "      "))
-        if f["applied"] and (note := notes[f["id"]]) is not None:
-            print(_wrap(note(), "      "))
-        if verbose or f["result"] in ("NOT FIXED", f["detected"]):  # the result does not say why: the reason does
-            print(_wrap(f"why: {f['reason']}", "      "))
-        if (upstream := data["upstream"].get(f["id"])) is not None:  # the bug is open: where to fix it upstream
-            print(_wrap(f"upstream: {upstream['command']} prints the report ({upstream['holds']})", "      "))
-    for ref in status["stale_references"]:
-        print(_wrap(f"still holds a shipped function: {ref}", "  "))
-
-    if verbose and data["check_after_patching"]:
+    print("\n".join(render(status, data["shipped_check"], verbose)))
+    if verbose and (live := data["check_after_patching"]):
         print("\nbehavioural check on the live (patched) ops:")
-        live = data["check_after_patching"]
         width = max(len(i) for i in live)
         for fix_id, finding in live.items():
-            print(_wrap(f"{fix_id:<{width}}  {finding['state']:<7} {finding['detail']}", "  "))
+            print(wrap(f"{fix_id:<{width}}  {finding['state']:<7} {finding['detail']}", "  "))
+    if gpu := _gpu_lines(data):
+        print("\n".join(gpu))
+    print(f"\nverdict: {data['verdict']} (exit status {data['exit_status']})")
 
-    probe = data.get("probe")
+
+def _gpu_lines(data: dict[str, Any]) -> list[str]:
+    """The GPU probe's result and table, the cuDNN op pair as shipped and corrected, or why nothing was verified."""
+    probe, lines = data.get("probe"), []
     if probe is not None:
-        print(f"\nGPU probe: {probe['state']} on {probe['device']} ({probe['reason']})")
-        if probe["state"] != "skipped":
-            print(data["probe_table"])
-    if data.get("shipped_vs_corrected"):
-        print("\ncuDNN op pair, bf16 B=2 S=16 H=16 D=64, max-abs error vs fp32 eager:")
+        lines += ["", probe_line(probe), *([data["probe_table"]] if probe["state"] != "skipped" else [])]
+    if rows := data.get("shipped_vs_corrected"):
         table = [("variant", "out", "dQ", "dK", "dV")]
-        for row in data["shipped_vs_corrected"]:
+        for row in rows:
             errors = ["raises", "", "", ""] if row["error"] else [f"{e:.4f}" for e in row["errors"].values()]
             table.append((row["variant"], *errors))
-        print("\n".join(_columns(table)))
-        for row in data["shipped_vs_corrected"]:
-            if row["error"]:
-                print(_wrap(f"{row['variant']} raises {row['error']}", "  "))
-    if data["advice"] != "remove" and status["ok"] and probe is not None and probe["state"] == "skipped":
-        print("\nNot verified on a GPU here: the behavioural check above ran (on CPU, no GPU needed), the GPU probe")
-        print("could not. It runs by itself on the first CUDA call of a corrected op.")
-    print(f"\nverdict: {data['verdict']} (exit status {data['exit_status']})")
+        raised = [wrap(f"{row['variant']} raises {row['error']}", "  ") for row in rows if row["error"]]
+        lines += ["", "cuDNN op pair, bf16 B=2 S=16 H=16 D=64, max-abs error vs fp32 eager:", *columns(table), *raised]
+    if data["advice"] != "remove" and data["status"]["ok"] and probe is not None and probe["state"] == "skipped":
+        lines.append(_NOT_VERIFIED)
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------------------

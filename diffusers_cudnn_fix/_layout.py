@@ -96,6 +96,32 @@ def with_strides_of(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(like.shape, like.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
 
 
+def backward_as_saved(
+    ctx: Any, grad_out: torch.Tensor, per_step: dict[str, Any], fix_id: str, *, op: Any, lse_ndim: int | None = None,
+    lse_missing: str = "", **extra: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The corrected backward of the op pairs whose forward saves q/k/v in kernel layout (cuDNN, native flash): the
+    ATen backward ``op`` on the saved tensors as saved, ``grad_out`` (B, S, H, D) laid out as the saved ``out``;
+    (dq, dk, dv) in (B, S, H, D) out. ``extra``: ``op``'s arguments beyond those the two ops share; ``lse_ndim``:
+    the dims ``op`` takes the saved log-sum-exp with (default: as saved); ``lse_missing``: the error raised where
+    the forward saved none (default: ``op`` gets None). ``per_step``: the caller's keyword arguments, refused for
+    ``fix_id`` where they hand per-step tensors. Plain code, no helper calls it does not need: it runs per layer."""
+    if per_step:
+        reject_per_step_tensors(per_step, fix_id)
+    q, k, v, out, lse, cum_seq_q, cum_seq_k, philox_seed, philox_offset = ctx.saved_tensors
+    if lse is None and lse_missing:
+        raise RuntimeError(lse_missing)
+    if lse_ndim is not None and lse.dim() != lse_ndim:
+        lse = lse_with_ndim(lse, lse_ndim)
+    grad_q, grad_k, grad_v = op(
+        grad_out=with_strides_of(grad_out.transpose(1, 2), out), query=q, key=k, value=v, out=out,
+        logsumexp=lse, cum_seq_q=cum_seq_q, cum_seq_k=cum_seq_k,
+        max_q=ctx.max_q, max_k=ctx.max_k, dropout_p=ctx.dropout_p, is_causal=ctx.is_causal,
+        philox_seed=philox_seed, philox_offset=philox_offset, scale=ctx.scale, **extra,
+    )  # fmt: skip
+    return grad_q.transpose(1, 2).contiguous(), grad_k.transpose(1, 2).contiguous(), grad_v.transpose(1, 2).contiguous()
+
+
 def backward_may_follow(ctx: object) -> bool:
     """Whether the autograd context this op saves into will see a backward for q, k or v.
 

@@ -42,7 +42,7 @@ import torch.backends.cudnn
 from . import _detect, _devices, _registry, _report, _switches  # noqa: F401
 from ._devices import CaseResult, ProbeResult
 from ._warnings import ProbeFailedWarning, UnsafeAttentionError, explain, logger, report
-from .fixes import CUDNN_BACKWARD, CUDNN_FORWARD, FLASH_BACKWARD, FLASH_FORWARD
+from .fixes import CUDNN_BACKWARD, CUDNN_FORWARD, FLASH_BACKWARD, FLASH_FORWARD, cudnn_forward_lse
 
 #: (name, B, S_q, S_kv, H, D)
 CASES = (("heads_eq_seq", 2, 16, 16, 16, 64), ("heads_ne_seq_sq_ne_skv", 1, 96, 64, 8, 64))
@@ -178,7 +178,7 @@ def _run_all(module: types.ModuleType | None, device: torch.device) -> tuple[lis
         if all(getattr(module, name, None) is not None for name in names)
         for case in CASES
     ]
-    if not any(fix.id == "cudnn_forward_lse" and fix.applied for fix in _registry.status().fixes):
+    if not any(fix.id == cudnn_forward_lse.FIX_ID and fix.applied for fix in _registry.status().fixes):
         return cases, False  # only the corrected cuDNN forward (cudnn_forward_lse's) hands the kernel views
     with _devices.trying_views():
         cases += [_run_case(module, "cudnn", case, device, "zero-copy views") for case in CASES]

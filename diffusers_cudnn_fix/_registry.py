@@ -383,10 +383,6 @@ def is_patched(target: str) -> bool:
 
 _LOST = "was fixed, but the module no longer holds our replacement (reloaded?): call apply()"
 
-#: The doctor's result cell of a fix not applied, by reason code (or the check's "disabled", which a reload's
-#: "lost" hides): (where it needs attention, where not). Any other: "NOT FIXED", or the check's state in words.
-_RESULTS = {"disabled": ("NOT ACTIVE (package off)", "package off"), "skipped": ("NOT FIXED (skipped)", "skipped")}
-
 
 def status() -> Report:
     """A structured report of versions and of every fix's state (see :class:`Report`)."""
@@ -419,11 +415,7 @@ def status() -> Report:
             # The bug is (or may be) there and is not fixed; or the package is off where the table lists the bug.
             unfixed = detected in ("broken", "unknown") and not applied
             attention = expected is True if detected in ("disabled", "unchecked") else unfixed
-            quiet = {"ok": "not needed", "absent": "no such code"}.get(detected, detected)
-            result = (_RESULTS.get(detected) or _RESULTS.get(code, ("NOT FIXED", quiet)))[0 if attention else 1]
-            if applied:
-                result = "corrected" if fix.kind == "correction" else "guarded"
-            row = (expected, detected, applied, reason, code, attention, result)
+            row = (expected, detected, applied, reason, code, attention)
             fixes.append(FixStatus(fix.id, fix.title, fix.upstream, fix.affected, *row))
         torch_mod = sys.modules.get("torch")
         probes: tuple[Any, ...] = ()

@@ -1,15 +1,24 @@
-"""What ``status()`` returns: plain immutable data, printable, and ``to_dict()`` for ``--json``."""
+"""What ``status()`` returns: plain immutable data, ``to_dict()`` for ``--json``, and the one renderer of its rows:
+the doctor's text and ``str(status())`` both say each fix's state with :func:`render`."""
 
 from __future__ import annotations
 
+import textwrap
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any, Literal, NamedTuple
 
-from ._switches import ENABLE_VAR, MODULE_NAME, raw_enable_value
+from ._switches import ENABLE_VAR, raw_enable_value
+from .fixes import ALL_FIXES
 
 #: The fix table's "table" column: what the release table says of the installed release (``FixStatus.expected``).
 TABLE_SAYS = {True: "affected", False: "not affected", None: "unknown"}
 
+#: The result of a fix not applied, by the check's state ("disabled", which a reload's "lost" hides) or the reason
+#: code: (where it needs attention, where not). Any other: "NOT FIXED", or the check's state in words.
+_RESULTS = {"disabled": ("NOT ACTIVE (package off)", "package off"), "skipped": ("NOT FIXED (skipped)", "skipped")}
+_QUIET = {"ok": "not needed", "absent": "no such code"}
+_CHECK_SAYS = "what the check found in the shipped code"
 
 #: Why a fix is in its state (``FixStatus.reason_code``), for programs; ``reason`` says it in words.
 ReasonCode = Literal[
@@ -74,7 +83,13 @@ class FixStatus(NamedTuple):
     reason: str
     reason_code: ReasonCode
     needs_attention: bool
-    result: str
+
+    @property
+    def result(self) -> str:
+        if self.applied:  # only a fix found broken and fixed or guarded is applied
+            return "corrected" if self.reason_code == "fixed" else "guarded"
+        quiet = ("NOT FIXED", _QUIET.get(self.detected, self.detected))
+        return (_RESULTS.get(self.detected) or _RESULTS.get(self.reason_code, quiet))[0 if self.needs_attention else 1]
 
 
 class Report(NamedTuple):
@@ -98,29 +113,74 @@ class Report(NamedTuple):
     def to_dict(self) -> dict[str, Any]:
         """Plain data for ``--json`` and logs."""
         return self._asdict() | {
-            "fixes": [f._asdict() for f in self.fixes],
+            "fixes": [f._asdict() | {"result": f.result} for f in self.fixes],
             "stale_references": list(self.stale_references),
             "probes": [asdict(p) for p in self.probes],
             "ok": self.ok,
         }
 
     def __str__(self) -> str:
-        state = "enabled" if self.enabled else f"SWITCHED OFF by {ENABLE_VAR}"
+        data = self.to_dict()
         diffusers, torch = self.diffusers_version or "(not installed)", self.torch_version or "(not loaded)"
-        lines = [f"diffusers_cudnn_fix: {state}", f"  diffusers {diffusers}, torch {torch}"]
-        lines += [f"  {self.problem}"] if self.problem else []
-        if not self.module_loaded and self.fixes:
-            lines.append(f"  {MODULE_NAME} not imported yet: fixes apply when it is")
-        rows = [(f.id, TABLE_SAYS[f.expected], f.detected, "yes" if f.applied else "no", f.reason) for f in self.fixes]
-        # Columns as wide as their longest entry, so that they line up whatever the ids and states.
-        id_w, table_w, check_w = (max((len(r[i]) for r in rows), default=0) for i in range(3))
-        lines += [
-            f"  {i:<{id_w}}  table: {table:<{table_w}}  check: {check:<{check_w}}  applied: {applied:<3}  {reason}"
-            for i, table, check, applied, reason in rows
-        ]
-        lines += [f"  still holds a shipped function: {ref}" for ref in self.stale_references]
-        lines += [f"  GPU probe {p.device}: {p.state} ({p.reason})" for p in self.probes]
+        lines = [f"diffusers_cudnn_fix: diffusers {diffusers}, torch {torch}", *render(data)]
+        lines += ["", *map(probe_line, data["probes"])] if self.probes else []
         verdict = "OK" if self.ok else "NOT SAFE: see the lines above"
         if not self.ok and not self.enabled:
             verdict = f"NOT SAFE: the package is switched off ({switched_off_by()}) on a release that needs its fixes"
-        return "\n".join([*lines, f"  verdict: {verdict}"])
+        return "\n".join([*lines, "", f"verdict: {verdict}"])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The renderer: the doctor's text and str(status())
+# ------------------------------------------------------------------------------------------------------------
+def wrap(text: str, indent: str = "") -> str:
+    """The whole of ``text``, wrapped: nothing the doctor prints is cut."""
+    return textwrap.fill(
+        text, width=100, initial_indent=indent, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
+    )
+
+
+def columns(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Rows as aligned columns, each as wide as its widest cell, indented by two spaces."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+def upstream_reports(checks: Mapping[str, str]) -> dict[str, dict[str, str | None]]:
+    """Per fix found broken (``checks``: fix id -> the check's state) that has an upstream report, shipped in the
+    package (``explain`` prints it): the doctor's ``--json`` ``upstream``, and a line under the fix's row."""
+    return {
+        fix.id: {"issue": fix.upstream_folder, "command": fix.upstream_command, "holds": fix.upstream_issue}
+        for fix in ALL_FIXES
+        if fix.upstream_folder is not None and checks.get(fix.id) == "broken"
+    }
+
+
+def probe_line(probe: Mapping[str, Any]) -> str:
+    return f"GPU probe: {probe['state']} on {probe['device']} ({probe['reason']})"
+
+
+def render(status: Mapping[str, Any], checks: Mapping[str, str] | None = None, verbose: bool = False) -> list[str]:
+    """The package's state and the fix table, as the doctor's text and ``str(status())`` say them. ``status``: a
+    :class:`Report`'s ``to_dict()``; ``checks``: the "check" column by fix id (default: each fix's ``detected``).
+    Under each row: the fix's title, an applied fix's note, why where the result does not say it (always with
+    ``verbose``: the check's evidence), and where its bug is open upstream the command that prints the report."""
+    fixes = status["fixes"]
+    lines = [] if status["enabled"] else [f"diffusers_cudnn_fix is SWITCHED OFF by {switched_off_by()}"]
+    lines += [status["problem"]] if status["problem"] else []
+    if not fixes:
+        return lines
+    checks = checks or {f["id"]: f["detected"] for f in fixes}
+    notes, upstream, yes = {fix.id: fix.note for fix in ALL_FIXES}, upstream_reports(checks), {True: "yes", False: "no"}
+    rows = [(f["id"], TABLE_SAYS[f["expected"]], checks[f["id"]], yes[f["applied"]], f["result"]) for f in fixes]
+    header, *cells = columns([("fix", "table", "check", "applied", "result"), *rows])
+    lines += ["", f"fixes (table: the release table lists this release; check: {_CHECK_SAYS}):", header]
+    for f, row in zip(fixes, cells, strict=True):
+        lines += [row, wrap(f["title"], "      ")]
+        if f["applied"] and (note := notes.get(f["id"])) is not None:
+            lines.append(wrap(note(), "      "))
+        if verbose or f["result"] in ("NOT FIXED", f["detected"]):  # the result does not say why: the reason does
+            lines.append(wrap(f"why: {f['reason']}", "      "))
+        if (report := upstream.get(f["id"])) is not None:  # the bug is open: where to fix it upstream
+            lines.append(wrap(f"upstream: {report['command']} prints the report ({report['holds']})", "      "))
+    return lines + [wrap(f"still holds a shipped function: {ref}", "  ") for ref in status["stale_references"]]

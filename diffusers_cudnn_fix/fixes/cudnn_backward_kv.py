@@ -14,10 +14,11 @@ import torch
 
 from .. import _detect, _ledger
 from .._fix import Finding, Lookup
-from .._layout import lse_with_ndim, reject_per_step_tensors, with_strides_of
+from .._layout import backward_as_saved
 from . import CUDNN_BACKWARD, CUDNN_FORWARD
 
-FIX_ID = "cudnn_backward_kv"
+#: The record's id (the module is named after it: the registry finds the check so), for the policy's mark.
+FIX_ID = __name__.rpartition(".")[2]
 
 LSE_MISSING = (
     "diffusers_cudnn_fix: the cuDNN attention forward saved no log-sum-exp, so its backward would return "
@@ -33,31 +34,11 @@ def corrected_backward(ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: A
     (dq, dk, dv) in (B, S, H, D) out; raises where the forward saved no log-sum-exp."""
     if _ledger.recording:
         _ledger.reached(FIX_ID)
-    if kwargs:
-        reject_per_step_tensors(kwargs, FIX_ID)
-    q, k, v, out, lse, cum_seq_q, cum_seq_k, philox_seed, philox_offset = ctx.saved_tensors
-    if lse is None:
-        # The real kernel accepts a missing log-sum-exp and returns garbage: stop here instead.
-        raise RuntimeError(LSE_MISSING)
-    grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        grad_out=with_strides_of(grad_out.transpose(1, 2), out),
-        query=q,
-        key=k,
-        value=v,
-        out=out,
-        logsumexp=lse if lse.dim() == LSE_NDIM else lse_with_ndim(lse, LSE_NDIM),
-        philox_seed=philox_seed,
-        philox_offset=philox_offset,
-        attn_bias=ctx.attn_mask,
-        cum_seq_q=cum_seq_q,
-        cum_seq_k=cum_seq_k,
-        max_q=ctx.max_q,
-        max_k=ctx.max_k,
-        dropout_p=ctx.dropout_p,
-        is_causal=ctx.is_causal,
-        scale=ctx.scale,
+    op = torch.ops.aten._scaled_dot_product_cudnn_attention_backward
+    # The real kernel accepts a missing log-sum-exp and returns garbage: LSE_MISSING stops it instead.
+    return backward_as_saved(
+        ctx, grad_out, kwargs, FIX_ID, op=op, lse_ndim=LSE_NDIM, lse_missing=LSE_MISSING, attn_bias=ctx.attn_mask
     )
-    return grad_q.transpose(1, 2).contiguous(), grad_k.transpose(1, 2).contiguous(), grad_v.transpose(1, 2).contiguous()
 
 
 def check(lookup: Lookup) -> Finding:

@@ -14,10 +14,11 @@ import torch
 
 from .. import _detect, _devices, _ledger
 from .._fix import Finding, Lookup
-from .._layout import reject_per_step_tensors, with_strides_of
+from .._layout import backward_as_saved
 from . import FLASH_BACKWARD, FLASH_FORWARD
 
-FIX_ID = "flash_backward_kv"
+#: The record's id (the module is named after it: the registry finds the check so), for the policy's mark.
+FIX_ID = __name__.rpartition(".")[2]
 
 
 def corrected_backward(ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
@@ -25,31 +26,12 @@ def corrected_backward(ctx: Any, grad_out: torch.Tensor, *args: Any, **kwargs: A
     (B, S, H, D) in, (dq, dk, dv) in (B, S, H, D) out."""
     if _ledger.recording:
         _ledger.reached(FIX_ID)
-    if kwargs:
-        reject_per_step_tensors(kwargs, FIX_ID)
     # The flash forward may be diffusers' own: this is the first corrected op a flash run reaches. It runs on
     # autograd's thread, so the probe (if it runs now) runs there; on_cuda_call imports nothing.
     if grad_out.is_cuda:
         _devices.on_cuda_call(grad_out)
-    q, k, v, out, lse, cum_seq_q, cum_seq_k, philox_seed, philox_offset = ctx.saved_tensors
-    grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        grad_out=with_strides_of(grad_out.transpose(1, 2), out),
-        query=q,
-        key=k,
-        value=v,
-        out=out,
-        logsumexp=lse,
-        cum_seq_q=cum_seq_q,
-        cum_seq_k=cum_seq_k,
-        max_q=ctx.max_q,
-        max_k=ctx.max_k,
-        dropout_p=ctx.dropout_p,
-        is_causal=ctx.is_causal,
-        philox_seed=philox_seed,
-        philox_offset=philox_offset,
-        scale=ctx.scale,
-    )
-    return grad_q.transpose(1, 2).contiguous(), grad_k.transpose(1, 2).contiguous(), grad_v.transpose(1, 2).contiguous()
+    op = torch.ops.aten._scaled_dot_product_flash_attention_backward
+    return backward_as_saved(ctx, grad_out, kwargs, FIX_ID, op=op)
 
 
 def check(lookup: Lookup) -> Finding:
