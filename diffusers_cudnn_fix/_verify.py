@@ -1,7 +1,8 @@
 """``diffusers-cudnn-fix verify``: context-parallel gradients of a tiny real transformer against one process.
 
-Each rank builds the same tiny diffusers transformer (Flux or QwenImage, small dims, seeded random weights:
-nothing is downloaded), hands it to diffusers' own ``enable_parallelism`` with the user's
+Each rank builds the same tiny diffusers transformer (``--model``: any transformer of the installed diffusers that
+declares a context-parallel plan, from the table in ``_verify_models``; small dims, seeded random weights: nothing
+is downloaded), hands it to diffusers' own ``enable_parallelism`` with the user's
 ``ContextParallelConfig`` and attention backend, runs one forward and backward, and sums the parameter
 gradients over the ranks. Rank 0 runs the same model in one process without context parallelism in fp32
 (the reference) and in the checked dtype (the noise floor), and compares the output and every parameter
@@ -24,9 +25,11 @@ import copy
 import datetime
 import functools
 import importlib
+import importlib.util
 import inspect
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,8 +42,11 @@ from typing import Any, NoReturn
 
 from . import probe, revert, status
 from ._report import json_text
+from ._verify_models import MODELS, Shapes, TinyModel, installed, shapes
 
 EXIT_PASS, EXIT_MISMATCH, EXIT_CANNOT_RUN = 0, 1, 2
+#: What ``_build`` returns: the model, its inputs, one loss target per output, the inputs cast with the model.
+Built = tuple[Any, dict[str, Any], tuple[Any, ...], tuple[str, ...]]
 #: The row of the parameters the loss does not reach in one process (their true gradient is 0).
 UNREACHED = "not reached in one process"
 
@@ -55,9 +61,6 @@ MIN_TOLERANCE = {"bfloat16": 2 * 2**-7, "float16": 2 * 2**-10, "float32": 1e-4}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 #: After the first rank of ``--nproc`` ends with an error, how long the others get to say theirs.
 GRACE_S = 10.0
-BATCH = 2
-#: The inputs cast to the checked dtype with the model (Flux's RoPE ids and QwenImage's mask stay as they are).
-CAST = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep")
 
 DESCRIPTION = """\
 Check context-parallel training on this set-up: a tiny real diffusers transformer (random weights, nothing
@@ -67,6 +70,7 @@ with the same model in one process without context parallelism (fp32). Start it 
 or alone with --nproc N. Rank 0 prints the table.
   diffusers-cudnn-fix verify --nproc 2
   torchrun --nproc-per-node 8 -m diffusers_cudnn_fix verify --ring 2
+  diffusers-cudnn-fix verify --model list          (the models this diffusers has; then --model M)
 """
 
 EXIT_STATUSES = """\
@@ -88,11 +92,17 @@ def build_parser(make_parser: Callable[[str, str, str, str], argparse.ArgumentPa
     prog = "diffusers-cudnn-fix verify"
     parser = make_parser(prog, f"{prog} [options]", DESCRIPTION, EXIT_STATUSES)
     add = parser.add_argument
-    add("--model", choices=("flux", "qwen"), default="flux", help="the tiny transformer (default: flux)")
+    add(
+        "--model",
+        choices=(*MODELS, "list"),
+        default="flux",
+        metavar="|".join((*MODELS, "list")),
+        help="the tiny transformer (default: flux); list: every model, whether this diffusers has it, what it takes",
+    )
     add("--ulysses", type=int, default=None, metavar="U", help="Ulysses degree (default: world size / ring)")
     add("--ring", type=int, default=None, metavar="R", help="ring degree (default: 1)")
     add("--backend", metavar="NAME", help="diffusers attention backend (default: _native_cudnn on CUDA, native on CPU)")
-    add("--mask", choices=("none", "padded"), default="none", help="padded prompts through the model's mask (qwen)")
+    add("--mask", choices=("none", "padded"), default="none", help="padded prompts through the model's text mask")
     add("--compile", action="store_true", help="torch.compile the parallelised transformer (inductor)")
     add("--checkpointing", action="store_true", help="gradient checkpointing on")
     add("--dtype", choices=tuple(DTYPES), default="bf16", help="dtype of the checked run (default: bf16)")
@@ -122,6 +132,10 @@ def main(argv: list[str], make_parser: Callable[[str, str, str, str], argparse.A
     environment describes (torchrun, accelerate; alone: a world of one)."""
     parser = build_parser(make_parser)
     args = parser.parse_args(argv)
+    if args.model == "list":
+        revert()  # this process only reads diffusers' classes: no checks, nothing patched
+        print(json_text(model_list()) if args.json else render_model_list(model_list()), flush=True)
+        return EXIT_PASS
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     launching = args.nproc is not None and args.rendezvous is None
     if launching and "RANK" in os.environ and env_world > 1:
@@ -129,8 +143,10 @@ def main(argv: list[str], make_parser: Callable[[str, str, str, str], argparse.A
     world = args.world_size = args.nproc if launching else env_world
     ring = 1 if args.ring is None else args.ring
     ulysses = max(1, world // max(ring, 1)) if args.ulysses is None else args.ulysses  # what the ring leaves
-    if args.mask == "padded" and args.model != "qwen":
-        parser.error("--mask padded needs a model with a text mask path: --model qwen (Flux has none)")
+    if args.mask == "padded" and MODELS[args.model].mask is None:
+        masked = [name for name, entry in MODELS.items() if entry.mask is not None]
+        which = ", ".join(f"--model {name}" for name in masked)
+        parser.error(f"--mask padded needs a model with a text mask: {which} ({args.model} has none)")
     if args.nproc is not None and args.nproc < 2:
         parser.error("--nproc must be at least 2: context parallelism needs 2 or more ranks")
     for name in ("ulysses", "ring"):
@@ -144,6 +160,12 @@ def main(argv: list[str], make_parser: Callable[[str, str, str, str], argparse.A
     if launching:
         # Before any rank starts: a misspelt backend is a usage error here, not N ranks failing alike.
         revert()  # this process only reads diffusers' registry: no checks, nothing patched
+        # A diffusers without context parallelism (no model declares a plan): the ranks say so (exit 2).
+        states = {name: installed(entry) for name, entry in MODELS.items()}
+        if "plan" in states.values():
+            problem = model_problem(args.model, states[args.model], _installed_version())
+            if problem is not None:
+                parser.error(problem)
         problem = backend_problem(args.backend)
         if problem is not None:
             parser.error(problem)
@@ -168,6 +190,92 @@ def backend_problem(backend: str | None) -> str | None:
     listed = [n for n in names if n in parallel] or names
     which = "context-parallel backends" if len(listed) < len(names) else "backends"
     return f"--backend {backend!r} is not an attention backend of this diffusers; its {which}: {', '.join(listed)}"
+
+
+def _installed_version() -> str | None:
+    """The version of the diffusers Python would import, read from its ``__init__.py`` (no import)."""
+    spec = importlib.util.find_spec("diffusers")
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        with open(spec.origin, encoding="utf-8") as f:
+            found = re.search(r"^__version__ = [\"']([^\"']+)", f.read(), re.M)
+    except OSError:
+        return None
+    return found.group(1) if found else None
+
+
+def _state_of_class(diffusers: Any, entry: TinyModel) -> str:
+    """``installed``'s answer from the imported class itself (each rank, before it builds the model)."""
+    try:
+        cls = getattr(diffusers, entry.cls, None)
+    except Exception:  # noqa: BLE001 - a class whose module fails to import is not usable here either
+        cls = None
+    if cls is None:
+        return "missing"
+    return "plan" if entry.plan and getattr(cls, "_cp_plan", None) is not None else "no plan"
+
+
+def model_problem(name: str, state: str | None, version: str | None) -> str | None:
+    """Why ``--model name`` cannot run on diffusers ``version``, where ``state`` (``_verify_models.installed``) says
+    its class is missing or declares no context-parallel plan; else None."""
+    entry = MODELS[name]
+    if state == "missing":
+        return (
+            f"--model {name}: diffusers {version} has no {entry.cls} (not in this diffusers; diffusers "
+            f"{entry.since} and later have it). Install one of those, or pick a model --model list shows here"
+        )
+    if state == "no plan" or (state is not None and not entry.plan):
+        return (
+            f"--model {name}: diffusers {version}'s {entry.cls} declares no context-parallel plan (_cp_plan), so "
+            "diffusers' enable_parallelism cannot shard it and there is nothing to verify; --model list shows the "
+            "models that declare one"
+        )
+    return None
+
+
+def model_list() -> dict[str, Any]:
+    """Every model of the table: whether the installed diffusers has its class and the class declares a plan (read
+    from diffusers' source, no import), and what verify can run it with (``--mask padded``, ``--ring``)."""
+    words = {
+        "plan": "yes",
+        "no plan": "no context-parallel plan",
+        None: "unknown (diffusers not found)",
+    }
+    rows = []
+    for name, entry in MODELS.items():
+        state = installed(entry)
+        here = words.get(state, f"not in this diffusers (diffusers {entry.since} and later)")
+        runs = state == "plan" and entry.plan
+        rows.append(
+            {
+                "model": name,
+                "class": entry.cls,
+                "since": entry.since,
+                "here": here if entry.plan or state != "plan" else words["no plan"],
+                "runs": runs,
+                "mask": entry.mask if entry.plan else None,
+                "ring": entry.ring if entry.plan else False,
+                "note": entry.blocks,
+            }
+        )
+    return {"diffusers": _installed_version(), "models": rows}
+
+
+def render_model_list(found: dict[str, Any]) -> str:
+    """``--model list`` as a table."""
+    cells = [("model", "class", "in this diffusers", "--mask padded (text mask)", "--ring")]
+    for row in found["models"]:
+        ring = row["ring"] if isinstance(row["ring"], str) else ("yes" if row["ring"] else "no")
+        cells.append((row["model"], row["class"], row["here"], row["mask"] or "no", ring))
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+    lines = [
+        f"models of diffusers-cudnn-fix verify --model M (diffusers {found['diffusers'] or 'not importable'}); "
+        "tiny configs, seeded random weights"
+    ]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    lines += [f"{row['model']}: {row['note']}" for row in found["models"] if row["note"]]
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -314,7 +422,9 @@ def _run_rank(args: argparse.Namespace, parser: argparse.ArgumentParser) -> NoRe
     try:
         enter(1, "importing torch and diffusers")
         torch, diffusers = _imports(args)
-        problem = backend_problem(args.backend)
+        problem = backend_problem(args.backend) or model_problem(
+            args.model, _state_of_class(diffusers, MODELS[args.model]), diffusers.__version__
+        )
         if problem is not None:
             raise _UsageError(problem)
         import torch.distributed as dist
@@ -442,71 +552,37 @@ def _setup(args: argparse.Namespace, diffusers_version: str, torch_version: str)
 # ------------------------------------------------------------------------------------------------------------
 # The model, its inputs and the runs
 # ------------------------------------------------------------------------------------------------------------
-def shapes(ulysses: int, ring: int) -> tuple[int, int]:
-    """(heads, image tokens = text tokens) for these degrees.
-
-    Each stream's length divides by the world size (diffusers' plans shard image and text apart), and the
-    attention op sees as many heads as sequence positions (heads / U == tokens / R): where a layout bug hands
-    the op (B, S, H, D) as (B, H, S, D), every shape check passes and the bug shows as wrong numbers, as it
-    does on a real model, instead of as a shape error. At least 4 text tokens, so that a padded prompt has
-    room for padding.
-    """
-    world = ulysses * ring
-    n = max(1, math.ceil(4 / world))
-    return 2 * n * ulysses * ulysses, n * world
-
-
-def _build(torch: Any, diffusers: Any, args: argparse.Namespace) -> tuple[Any, dict[str, Any], Any]:
-    """The seeded fp32 model on this rank's device, its inputs (fp32) and the loss target."""
+def _build(torch: Any, diffusers: Any, args: argparse.Namespace) -> Built:
+    """The seeded fp32 model of ``--model`` (``_verify_models``) on this rank's device, its inputs (fp32), one loss
+    target per output, and the names of the inputs cast to the checked dtype with the model."""
     heads, tokens = shapes(args.ulysses, args.ring)
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed + 1)
-    # Head dim 16, split over the three RoPE axes as Flux and QwenImage do.
-    dims: dict[str, Any] = {"patch_size": 1, "in_channels": 4, "attention_head_dim": 16, "num_attention_heads": heads}
-    dims.update(joint_attention_dim=8, axes_dims_rope=(4, 6, 6))
-    inputs = {
-        "hidden_states": torch.randn(BATCH, tokens, 4, generator=gen),
-        "encoder_hidden_states": torch.randn(BATCH, tokens, 8, generator=gen),
-        "timestep": torch.tensor([0.5, 0.25]),
-    }
-    if args.model == "flux":
-        model = diffusers.FluxTransformer2DModel(
-            **dims, num_layers=1, num_single_layers=1, pooled_projection_dim=8, guidance_embeds=False
-        )
-        inputs["pooled_projections"] = torch.randn(BATCH, 8, generator=gen)
-        inputs["img_ids"] = torch.tensor([[0.0, i // 2, i % 2] for i in range(tokens)])
-        inputs["txt_ids"] = torch.zeros(tokens, 3)
-    else:
-        model = diffusers.QwenImageTransformer2DModel(**dims, out_channels=4, num_layers=2)
-        inputs["img_shapes"] = [[(1, 1, tokens)]] * BATCH
-        if args.mask == "padded":
-            # Right-padded prompts as a tokenizer gives them (int64 1/0): a quarter and a half of the text padded.
-            mask = inputs["encoder_hidden_states_mask"] = torch.ones(BATCH, tokens, dtype=torch.int64)
-            mask[0, tokens - max(1, tokens // 4) :] = 0
-            mask[1, tokens - max(1, tokens // 2) :] = 0
-        if "max_txt_seq_len" not in inspect.signature(model.pos_embed.forward).parameters:
-            inputs["txt_seq_lens"] = [tokens] * BATCH  # 0.36.0's RoPE (later releases take the mask, or none)
-    target = torch.randn(BATCH, tokens, 4, generator=gen)
+    entry = MODELS[args.model]
+    assert entry.build is not None  # model_problem refused a model without a plan before any rank got here
+    model, inputs, targets = entry.build(torch, diffusers, Shapes(heads, tokens, args.mask == "padded"), gen)
     moved = {k: v.to(args.device) if hasattr(v, "to") else v for k, v in inputs.items()}
-    return model.to(args.device), moved, target.to(args.device)
+    return model.to(args.device), moved, tuple(t.to(args.device) for t in targets), entry.cast
 
 
 def _forward_backward(
-    torch: Any, built: tuple[Any, dict[str, Any], Any], dtype: Any, backend: str, parallel: Callable[[Any], Any]
+    torch: Any, built: Built, dtype: Any, backend: str, parallel: Callable[[Any], Any]
 ) -> tuple[Any, dict[str, Any]]:
     """A fresh copy of the model in ``dtype`` on attention ``backend`` (``parallel`` readies it and returns what
-    to call), one forward on the inputs (``CAST`` in ``dtype``), an MSE loss against the target, one backward."""
-    model, inputs, target = built
+    to call), one forward on the inputs (the model's ``cast`` ones in ``dtype``), the sum of an MSE loss per output
+    against its target, one backward. The output: every output, flattened and joined."""
+    model, inputs, targets, cast = built
     model = copy.deepcopy(model).to(dtype)
     model.set_attention_backend(backend)
-    inputs = {k: (v.to(dtype) if k in CAST else v) for k, v in inputs.items()}
-    out = parallel(model)(**inputs, return_dict=False)[0]
-    loss = torch.nn.functional.mse_loss(out.float(), target)
+    inputs = {k: (v.to(dtype) if k in cast and v is not None else v) for k, v in inputs.items()}
+    outs = [o for o in parallel(model)(**inputs, return_dict=False) if isinstance(o, torch.Tensor)]
+    loss = sum(torch.nn.functional.mse_loss(o.float(), t) for o, t in zip(outs, targets, strict=True))
     loss.backward()
-    return model, {"out": out.detach().float(), "loss": loss.item()}
+    out = torch.cat([o.detach().float().reshape(-1) for o in outs])
+    return model, {"out": out, "loss": loss.item()}
 
 
-def _one_process(torch: Any, built: tuple[Any, dict[str, Any], Any], dtype: Any) -> dict[str, Any]:
+def _one_process(torch: Any, built: Built, dtype: Any) -> dict[str, Any]:
     """The model in one process, no parallel config, on F.scaled_dot_product_attention's math kernel; diffusers'
     default backend where that refuses the model's inputs (0.37.x's 2-D QwenImage mask, which only ``native``
     reads as key padding)."""
@@ -522,7 +598,7 @@ def _one_process(torch: Any, built: tuple[Any, dict[str, Any], Any], dtype: Any)
     raise CannotRun(f"the one-process reference raised in diffusers itself ({'; '.join(failures)})")
 
 
-def _cp_step(torch: Any, dist: Any, built: tuple[Any, dict[str, Any], Any], args: argparse.Namespace) -> Any:
+def _cp_step(torch: Any, dist: Any, built: Built, args: argparse.Namespace) -> Any:
     """One forward and backward under diffusers' own context parallelism; rank 0 gets the output and the
     parameter gradients summed over the ranks (diffusers' own gradients are each rank's partial sums)."""
     import diffusers

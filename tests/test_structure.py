@@ -46,6 +46,8 @@ LAYERS = {
     "fixes.ulysses_head_mask": 4,
     "fixes.ulysses_kv_length": 4,
     "fixes.cp_gather_grads": 4,
+    "fixes.ltx2_cp_plan": 4,
+    "fixes.cp_split_warning_once": 4,
     # One replacement per target, built from the policies of the fixes found broken.
     "targets.ring": 5,
     "targets.cudnn": 6,
@@ -60,6 +62,7 @@ LAYERS = {
     "__init__": 11,
     "_launcher": 11,  # imports nothing of the package: the CLI's launcher (``run -- COMMAND``)
     # ``verify``: a CLI subcommand (imported by ``__main__`` only when it runs); uses the public API.
+    "_verify_models": 11,  # verify's table of tiny models: imports nothing of the package
     "_verify": 12,
     "__main__": 13,
     # The launcher's start-up hook, run in the command's processes: it imports the package from outside.
