@@ -359,6 +359,13 @@ def revert() -> Report:
     """Put back exactly the objects that were there before us. Idempotent, thread-safe."""
     with _state.lock:
         _put_back(_state.module, reverting=True)  # None before any apply: nothing to put back
+        for fix in _fixes():
+            # A policy that gives something outside the targets (cp_split_warning_once: a method lent to one logger
+            # of diffusers) takes it back in its module's take_back(); a fix module not imported gave nothing
+            # (revert() works without torch).
+            take_back = getattr(sys.modules.get(f"{__package__}.fixes.{fix.id}"), "take_back", None)
+            if take_back is not None:
+                take_back()
         for fix_id, record in _state.records.items():
             _state.records[fix_id] = replace(record, reason="reverted by revert()", code="reverted")
         return status()

@@ -108,7 +108,8 @@ def _run_job(job: dict[str, Any]) -> dict[str, Any]:
     started = time.monotonic()
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="cp_models_") as tmp:
-        spec = {"package": job["package"], "tmp": tmp, "model": job.get("model", "ltx")}
+        spec = {"package": job["package"], "tmp": tmp, "model": job.get("model", "ltx"), "plan": job.get("plan")}
+        spec["variant"] = job.get("variant")
         procs = [ctx.Process(target=rank_main, args=(rank, spec), daemon=True) for rank in range(WORLD_SIZE)]
         for proc in procs:
             proc.start()
@@ -166,7 +167,8 @@ def _run_rank(rank: int, spec: dict[str, Any], result: dict[str, Any]) -> None:
     if pkg is not None:
         result["applied"] = sorted(f.id for f in pkg.status().fixes if f.applied)
 
-    model, inputs, target = _build_helios() if spec.get("model") == "helios" else _build()
+    build = BUILDERS[spec.get("model", "ltx")]
+    model, inputs, target = build(spec["variant"]) if spec.get("variant") else build()
     reference = _step(copy.deepcopy(model), inputs, target)
     dist.init_process_group(
         "gloo",
@@ -175,14 +177,14 @@ def _run_rank(rank: int, spec: dict[str, Any], result: dict[str, Any]) -> None:
         world_size=WORLD_SIZE,
         timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
     )
-    model, result["seam"] = _parallelise(model)
+    model, result["seam"] = _parallelise(model, spec.get("plan"), spec.get("variant"))
     if pkg is not None:  # again: a model's import brings diffusers' ModelMixin, whose enable_parallelism is a target
         result["applied"] = sorted(f.id for f in pkg.status().fixes if f.applied)
     try:
         with torch.no_grad():
-            out = model(**inputs, return_dict=False)[0]
+            out = _outputs(model(**inputs, return_dict=False), target)
     except Exception as exc:
-        result.update(status="inference_raised", error=_said(exc))
+        result.update(status="inference_raised", error=_said(exc), where=_where(exc))
         return
     result["inference_error"] = _relative(out, reference["out"])
     try:
@@ -243,30 +245,176 @@ def _build_helios() -> tuple[Any, dict[str, Any], Any]:
     return model, inputs, torch.randn(*HELIOS_LATENT, generator=gen)
 
 
-def _step(model: Any, inputs: dict[str, Any], target: Any) -> dict[str, Any]:
-    """Forward, MSE loss, backward: the output and every parameter's gradient."""
+def _outputs(output: Any, target: Any) -> Any:
+    """The model's outputs a loss is taken of: the first (a tensor target), or as many as ``target`` has (a tuple:
+    LTX2's video and audio), concatenated flat for the comparison."""
     import torch
 
-    out = model(**inputs, return_dict=False)[0]
-    torch.nn.functional.mse_loss(out, target).backward()
+    if isinstance(target, tuple):
+        return torch.cat([o.flatten() for o in output[: len(target)]])
+    return output[0]
+
+
+#: Tiny LTX2: video 2 heads of 16, audio 2 heads of 8 (one a rank under Ulysses 2), one block (self-attention,
+#: text cross-attention, audio-video cross-attention both ways, for each stream).
+LTX2_CONFIG = dict(
+    in_channels=4,
+    out_channels=4,
+    num_attention_heads=2,
+    attention_head_dim=16,
+    cross_attention_dim=32,
+    audio_in_channels=4,
+    audio_out_channels=4,
+    audio_num_attention_heads=2,
+    audio_attention_head_dim=8,
+    audio_cross_attention_dim=16,
+    num_layers=1,
+    caption_channels=8,
+)
+#: LTX2's audio: 8 latent frames (4 a rank when sharded).
+AUDIO_FRAMES = 8
+
+
+def _build_ltx2(variant: str | None = None) -> tuple[Any, dict[str, Any], Any]:
+    """The tiny LTX2 (fp32, seeded), its inputs (the video's and the audio's text masked alike) and MSE targets
+    for both outputs (video, audio). ``variant``: ``"no_mask"`` (no text masks: 0.37.x and 0.38.0 do not gather a
+    key-sharded mask), ``"per_token"`` (a timestep per video token, as the image-to-video pipeline passes),
+    ``"split_rope"`` (``rope_type="split"``: RoPE of (B, heads, tokens, D))."""
+    import torch
+    from diffusers import LTX2VideoTransformer3DModel
+
+    torch.manual_seed(0)
+    config = {**LTX2_CONFIG, **({"rope_type": "split"} if variant == "split_rope" else {})}
+    model = LTX2VideoTransformer3DModel(**config)
+    model.set_attention_backend(BACKEND)
+    gen = torch.Generator().manual_seed(1)
+    batch, tokens, text = len(TEXT_MASK), FRAMES * HEIGHT * WIDTH, len(TEXT_MASK[0])
+    channels, audio_channels = LTX2_CONFIG["in_channels"], LTX2_CONFIG["audio_in_channels"]
+    inputs = {
+        "hidden_states": torch.randn(batch, tokens, channels, generator=gen),
+        "audio_hidden_states": torch.randn(batch, AUDIO_FRAMES, audio_channels, generator=gen),
+        "encoder_hidden_states": torch.randn(batch, text, LTX2_CONFIG["caption_channels"], generator=gen),
+        "audio_encoder_hidden_states": torch.randn(batch, text, LTX2_CONFIG["caption_channels"], generator=gen),
+        "timestep": torch.tensor([500.0, 250.0]),
+        "encoder_attention_mask": torch.tensor(TEXT_MASK),
+        "audio_encoder_attention_mask": torch.tensor(TEXT_MASK),
+        "num_frames": FRAMES,
+        "height": HEIGHT,
+        "width": WIDTH,
+        "audio_num_frames": AUDIO_FRAMES,
+    }
+    if variant == "no_mask":
+        inputs.update(encoder_attention_mask=None, audio_encoder_attention_mask=None)
+    if variant == "per_token":
+        inputs.update(timestep=torch.rand(batch, tokens, generator=gen) * 1000, audio_timestep=inputs["timestep"])
+    target = (
+        torch.randn(batch, tokens, LTX2_CONFIG["out_channels"], generator=gen),
+        torch.randn(batch, AUDIO_FRAMES, LTX2_CONFIG["audio_out_channels"], generator=gen),
+    )
+    return model, inputs, target
+
+
+def ltx2_complete_plan(variant: str | None = None) -> dict[str, Any]:
+    """A complete context-parallel plan for LTX2, as a user passes it with ``cp_plan=``: both streams sharded along
+    their tokens at the model's entry (the latents, their texts and text masks, a timestep per token), every RoPE's
+    output split along its tokens (dim 1 of (B, tokens, D); dim 2 of ``"split_rope"``'s (B, heads, tokens, D)),
+    both outputs gathered."""
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    def tokens(dims: int) -> Any:
+        return ContextParallelInput(split_dim=1, expected_dims=dims, split_output=False)
+
+    split, dims = (2, 4) if variant == "split_rope" else (1, 3)
+    rope = {i: ContextParallelInput(split_dim=split, expected_dims=dims, split_output=True) for i in (0, 1)}
+    streams = ("hidden_states", "encoder_hidden_states", "audio_hidden_states", "audio_encoder_hidden_states")
+    entry = {name: tokens(3) for name in streams}
+    entry.update(encoder_attention_mask=tokens(2), audio_encoder_attention_mask=tokens(2))
+    if variant == "per_token":
+        entry.update(timestep=tokens(2))
+    plan: dict[str, Any] = {"": entry}
+    plan.update({name: dict(rope) for name in ("rope", "audio_rope", "cross_attn_rope", "cross_attn_audio_rope")})
+    gather = ContextParallelOutput(gather_dim=1, expected_dims=3)
+    plan.update(proj_out=gather, audio_proj_out=gather)
+    return plan
+
+
+#: Tiny Wan: 2 heads of 16, one block.
+WAN_CONFIG = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=16,
+    in_channels=4,
+    out_channels=4,
+    text_dim=8,
+    freq_dim=16,
+    ffn_dim=32,
+    num_layers=1,
+)
+
+
+def _build_wan() -> tuple[Any, dict[str, Any], Any]:
+    """The tiny Wan (fp32, seeded), its inputs with a 1-D timestep (one per sample: what its plan's ``timestep``
+    split, which expects one per token, skips with a warning) and an MSE target."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**WAN_CONFIG)
+    model.set_attention_backend(BACKEND)
+    gen = torch.Generator().manual_seed(1)
+    inputs = {
+        "hidden_states": torch.randn(*HELIOS_LATENT, generator=gen),
+        "timestep": torch.tensor([500]),
+        "encoder_hidden_states": torch.randn(HELIOS_LATENT[0], 8, WAN_CONFIG["text_dim"], generator=gen),
+    }
+    return model, inputs, torch.randn(*HELIOS_LATENT, generator=gen)
+
+
+BUILDERS = {"ltx": _build, "helios": _build_helios, "ltx2": _build_ltx2, "wan": _build_wan}
+
+
+def ltx2_rope_only_plan() -> dict[str, Any]:
+    """LTX2's own plan with ``cross_attn_rope`` split as ``rope`` is, the audio left unsharded: the forward runs."""
+    import copy as _copy
+
+    from diffusers import LTX2VideoTransformer3DModel
+
+    plan = _copy.copy(LTX2VideoTransformer3DModel._cp_plan)
+    plan["cross_attn_rope"] = plan["rope"]
+    return plan
+
+
+def _step(model: Any, inputs: dict[str, Any], target: Any) -> dict[str, Any]:
+    """Forward, MSE loss (summed over the outputs with a target), backward: the output and every parameter's
+    gradient."""
+    import torch
+
+    output = model(**inputs, return_dict=False)
+    targets = target if isinstance(target, tuple) else (target,)
+    loss = sum(torch.nn.functional.mse_loss(o, t) for o, t in zip(output, targets, strict=False))
+    loss.backward()
+    out = _outputs(output, target)
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     return {"out": out.detach(), "grads": grads}
 
 
-def _parallelise(model: Any) -> tuple[Any, str | None]:
-    """``model`` under diffusers' own Ulysses degree 2 (and the 0.42.x seam used, if it was)."""
+def _parallelise(model: Any, plan: str | None = None, variant: str | None = None) -> tuple[Any, str | None]:
+    """``model`` under diffusers' own Ulysses degree 2 (and the 0.42.x seam used, if it was), with the model's own
+    plan, or a plan passed for LTX2: ``"complete"`` (:func:`ltx2_complete_plan`), ``"rope_only"``."""
     import torch
     from diffusers.models._modeling_parallel import ContextParallelConfig
 
+    plans = {"complete": lambda: ltx2_complete_plan(variant), "rope_only": ltx2_rope_only_plan}
+    kwargs = {"cp_plan": plans[plan]()} if plan else {}
     pristine = copy.deepcopy(model)
     try:
-        model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD_SIZE))
+        model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD_SIZE), **kwargs)
         return model, None
     except ZeroDivisionError:  # diffusers 0.42.x on a CPU-only torch: again, on a fresh copy
         original = torch.accelerator.device_count
         torch.accelerator.device_count = lambda: 1
         try:
-            pristine.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD_SIZE))
+            pristine.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD_SIZE), **kwargs)
         finally:
             torch.accelerator.device_count = original
         return pristine, "torch.accelerator.device_count() -> 1 during enable_parallelism"

@@ -17,6 +17,12 @@ Helios (its plan splits and gathers around each attention and feed-forward): wit
 exact and the parameters run replicated between those pairs get wrong gradients (issue #42: 51 of 1,095); with it,
 inference runs and matches one process, and the training step is refused with ``UnsafeAttentionError``.
 
+A tiny LTX2 with its text masks (issue #42, item 4, ``ltx2_cp_plan``): with the package (which completes its plan)
+both outputs and every gradient match one process, also with a timestep per video token; with the fix skipped the
+forward fails in the audio-video cross-attention; a plan splitting ``cross_attn_rope`` alone runs and trains wrong.
+A tiny Wan with a 1-D timestep (item 5, ``cp_split_warning_once``): with the package it trains as one process;
+without it, or with the fix skipped, diffusers' split hook raises AttributeError (transformers is not installed).
+
 0.39.0 and 0.41.0, the releases the issue names (0.40.0 and 0.42.x carry the same Ulysses code and LTX model as
 0.39.0 and 0.41.0; ``CP_MODELS_RELEASES=all`` runs them too). Before 0.39.0 LTX's mask fails under Ulysses for
 another reason first (diffusers does not gather a key-sharded mask; docs/fixes.md, ``ulysses_head_mask``).
@@ -46,6 +52,13 @@ JOBS = {
     "skip_kv_length": {"package": True, "skip": "ulysses_kv_length"},
     "helios_package": {"package": True, "skip": None, "model": "helios"},
     "helios_none": {"package": False, "skip": None, "model": "helios"},
+    "ltx2_package": {"package": True, "skip": None, "model": "ltx2"},
+    "ltx2_per_token": {"package": True, "skip": None, "model": "ltx2", "variant": "per_token"},
+    "ltx2_skip": {"package": True, "skip": "ltx2_cp_plan", "model": "ltx2"},
+    "ltx2_rope_only": {"package": True, "skip": "ltx2_cp_plan", "model": "ltx2", "plan": "rope_only"},
+    "wan_package": {"package": True, "skip": None, "model": "wan"},
+    "wan_none": {"package": False, "skip": None, "model": "wan"},
+    "wan_skip": {"package": True, "skip": "cp_split_warning_once", "model": "wan"},
 }
 _results: dict[str, dict[str, dict]] = {}
 
@@ -54,7 +67,7 @@ def _jobs(version: str) -> dict[str, dict]:
     """Every job's result on ``version``, run once per test process (one launcher per release)."""
     if version not in _results:
         script = f"import subprocess_cp_models as s; s.launch_many({list(JOBS.values())!r})"
-        done = run(release_dir(version), script, preloaded=True, timeout=900)
+        done = run(release_dir(version), script, preloaded=True, timeout=1800)
         _results[version] = dict(zip(JOBS, done["jobs"], strict=True))
     return _results[version]
 
@@ -117,3 +130,61 @@ def test_without_the_package_helios_trains_wrong(version: str) -> None:
         assert off and all(_replicated(name) for name in off), sorted(off)
         assert all(1.4 <= ratio <= 2.05 for ratio in off.values()), off
         assert {"proj_out.weight", "norm_out.scale_shift_table"} <= off.keys(), sorted(off)
+
+
+#: Where LTX2's audio-video cross-attention meets the full-length cross_attn_rope on the rank's video tokens.
+ROPE_ERROR = "The size of tensor a (16) must match the size of tensor b (32)"
+#: The AttributeError of diffusers' split hook without transformers (cp_split_warning_once).
+WARNING_ONCE_ERROR = "AttributeError: 'Logger' object has no attribute 'warning_once'"
+
+
+@pytest.mark.parametrize("version", RELEASES)
+@pytest.mark.parametrize("case", ["ltx2_package", "ltx2_per_token"])
+def test_ltx2_under_ulysses_with_the_package_trains_as_one_process(version: str, case: str) -> None:
+    """The package hands diffusers LTX2's plan completed (ltx2_cp_plan): both outputs and all 126 gradients as one
+    process, with a timestep per sample or per video token (the image-to-video pipeline's)."""
+    job = _jobs(version)[case]
+    assert not job["timed_out"], job
+    for rank in job["ranks"]:
+        assert {"ltx2_cp_plan", "ulysses_head_mask", "ulysses_kv_length"} <= set(rank["applied"]), rank
+        assert rank["status"] == "ok" and rank["compared_params"] == 126, rank
+        assert rank["inference_error"] <= TOLERANCE and rank["output_error"] <= TOLERANCE, rank
+        assert rank["grad_worst"] <= TOLERANCE, rank
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_without_the_completed_plan_ltx2s_forward_fails(version: str) -> None:
+    """The control: LTX2's own plan (the package on, ltx2_cp_plan skipped) fails in the audio-video cross-attention,
+    inference included."""
+    for rank in _jobs(version)["ltx2_skip"]["ranks"]:
+        assert rank["status"] == "inference_raised" and ROPE_ERROR in rank["error"], rank
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_splitting_cross_attn_rope_alone_trains_ltx2_wrong(version: str) -> None:
+    """Why the completion shards the audio: with cross_attn_rope split and the audio replicated (a plan passed, the
+    package on but ltx2_cp_plan skipped: with it, such a plan is completed too), the output is exact and most
+    gradients are off, the audio-only ones twice one process's when summed over the ranks."""
+    for rank in _jobs(version)["ltx2_rope_only"]["ranks"]:
+        assert rank["status"] == "ok" and rank["output_error"] <= TOLERANCE, rank
+        off = rank["off_ratios"]
+        assert rank["grads_off"] > 50, rank
+        assert off["audio_proj_out.weight"] == off["transformer_blocks.0.audio_ff.net.2.weight"] == 2.0, off
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_wan_with_a_1d_timestep_trains_as_one_process_with_the_package(version: str) -> None:
+    """cp_split_warning_once: diffusers' split hook warns (once) and leaves the 1-D timestep whole, as it means to."""
+    job = _jobs(version)["wan_package"]
+    assert not job["timed_out"], job
+    for rank in job["ranks"]:
+        assert "cp_split_warning_once" in rank["applied"], rank
+        assert rank["status"] == "ok" and rank["output_error"] <= TOLERANCE, rank
+        assert rank["grad_worst"] <= TOLERANCE, rank
+
+
+@pytest.mark.parametrize("version", RELEASES)
+@pytest.mark.parametrize("case", ["wan_none", "wan_skip"])
+def test_without_the_lent_method_wan_with_a_1d_timestep_fails(version: str, case: str) -> None:
+    for rank in _jobs(version)[case]["ranks"]:
+        assert rank["status"] == "inference_raised" and WARNING_ONCE_ERROR in rank["error"], rank

@@ -24,6 +24,10 @@ from .._target_names import (
 
 PR_14274 = "https://github.com/huggingface/diffusers/pull/14274"
 
+#: Where cp_split_warning_once's bug lies (not a target: the package replaces nothing there); what ``verify
+#: --without-package`` watches for it (``Fix.bug_in``).
+SPLIT_HOOK_PREPARE = "diffusers.hooks.context_parallel:ContextParallelSplitHook._prepare_cp_input"
+
 MODE_EFFECTS = {
     "convert": "bool masks become additive masks in q's dtype, other float masks are cast to it; a mask that "
     "only pads keys runs the kernel on the valid keys alone",
@@ -49,7 +53,7 @@ FLASH_RUN = "verify --backend _native_flash (on GPUs)"
 QWEN_MASK_RUN = "verify --model qwen --mask padded (on a CPU too)"
 MASKS = "attention masks"
 #: Where no verify run reaches a policy: its models, Flux and QwenImage, attend with one length and one-head masks.
-NO_VERIFY_RUN = "none of verify's models (Flux, QwenImage): Ulysses training of LTX or LTX2 with its text mask"
+LTX_MASK_RUN = "verify --model ltx --mask padded (on a CPU too)"
 
 #: Fix(id, title, upstream, affected releases, targets, kind="correction", note, only_for_on, old_ids, upstream_issue,
 #: matters_to, reached_by, bug_in, reached_when)
@@ -105,16 +109,27 @@ ALL_FIXES: tuple[Fix, ...] = (
     Fix("ulysses_head_mask", "Ulysses attention hands the op a per-head mask with every head, where q holds the "
         "rank's heads alone: LTX and LTX2 with their text mask fail", "not reported upstream as of diffusers 0.42.1",
         ">=0.36.0", (ULYSSES_FORWARD,), only_for_on=(">=0.36.0", "Ulysses attention with a per-head mask (LTX, LTX2)"),
-        upstream_issue=PATCH_FOR_DIFFUSERS, reached_by=NO_VERIFY_RUN, reached_when="never"),
+        upstream_issue=PATCH_FOR_DIFFUSERS, reached_by=LTX_MASK_RUN, reached_when="never"),
     Fix("ulysses_kv_length", "Ulysses backward reshapes dK/dV with the queries' length: cross-attention to keys of "
         "another length fails", "not reported upstream as of diffusers 0.42.1", ">=0.36.0", (ULYSSES_BACKWARD,),
         only_for_on=(">=0.36.0", "Ulysses training with keys of another length than the queries (LTX, LTX2)"),
-        upstream_issue=PATCH_FOR_DIFFUSERS, reached_by=NO_VERIFY_RUN, reached_when="never"),
+        upstream_issue=PATCH_FOR_DIFFUSERS, reached_by=LTX_MASK_RUN, reached_when="never"),
     Fix("cp_gather_grads", "a context-parallel plan that gathers inside the model (Helios) gives the parameters run "
         "replicated between its split/gather pairs wrong gradients, silently", "not reported upstream as of "
         "diffusers 0.42.1", ">=0.36.0", (ENABLE_PARALLELISM,), "guard",
         only_for_on=(">=0.36.0", "context-parallel training of a model whose plan gathers inside it (Helios)"),
         matters_to="context-parallel training of Helios",
-        reached_by="none of verify's models (Flux, QwenImage): context-parallel training of Helios",
+        reached_by="verify --model helios (on a CPU too)",
         bug_in=(GATHER_BACKWARD,), reached_when="never"),
+    Fix("ltx2_cp_plan", "LTX2's context-parallel plan splits rope but not cross_attn_rope and never shards the audio "
+        "stream: its audio-video cross-attention fails", "not reported upstream as of diffusers 0.42.1", ">=0.37.0",
+        (ENABLE_PARALLELISM,), only_for_on=(">=0.37.0", "context parallelism of LTX2"),
+        upstream_issue=PATCH_FOR_DIFFUSERS, reached_by="verify --model ltx2 (on a CPU too)", reached_when="never"),
+    Fix("cp_split_warning_once", "diffusers' context-parallel split hook calls logger.warning_once, which diffusers' "
+        "logger has only once transformers is imported: an input of other dims than the plan's (Wan's 1-D timestep) "
+        "raises AttributeError", "not reported upstream as of diffusers 0.42.1", ">=0.36.0", (ENABLE_PARALLELISM,),
+        only_for_on=(">=0.36.0", "context parallelism without transformers imported, with an input of other dims "
+                     "than the plan's (Wan's 1-D timestep)"),
+        upstream_issue=PATCH_FOR_DIFFUSERS, reached_by="none of verify's runs (its Wan takes a timestep per token): "
+        "context parallelism of Wan with a 1-D timestep", bug_in=(SPLIT_HOOK_PREPARE,), reached_when="never"),
 )  # fmt: skip

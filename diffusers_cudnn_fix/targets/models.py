@@ -1,8 +1,12 @@
 """Replacements of diffusers' model-level entry points: ``ModelMixin.enable_parallelism``.
 
-Policy (cp_gather_grads): diffusers' own ``enable_parallelism`` applies the plan; then, where that plan gathers
-inside the model and the config spreads it over ranks, :func:`~diffusers_cudnn_fix.fixes.cp_gather_grads.arm`
-refuses the model's backward (its inference runs as shipped).
+Policies, in order: (ltx2_cp_plan) the plan applied (the ``cp_plan`` passed, else the model's own ``_cp_plan``) is
+completed where it leaves a module of the same class as one whose output it splits unsplit (LTX2), or refused where
+the package cannot complete it (:func:`~diffusers_cudnn_fix.fixes.ltx2_cp_plan.plan_for`); diffusers' own
+``enable_parallelism`` applies it; (cp_gather_grads) where that plan gathers inside the model and the config spreads
+it over ranks, :func:`~diffusers_cudnn_fix.fixes.cp_gather_grads.arm` refuses the model's backward (its inference runs
+as shipped); (cp_split_warning_once) the logger of the split hooks diffusers put on the model gets a ``warning_once``
+where it lacks one (:func:`~diffusers_cudnn_fix.fixes.cp_split_warning_once.lend`).
 """
 
 from __future__ import annotations
@@ -11,26 +15,41 @@ import functools
 from typing import Any
 
 from .._fix import Lookup
-from ..fixes import ENABLE_PARALLELISM
+from ..fixes import ENABLE_PARALLELISM, cp_gather_grads, cp_split_warning_once, ltx2_cp_plan
 from ..fixes.cp_gather_grads import arm
+from ..fixes.cp_split_warning_once import lend
+from ..fixes.ltx2_cp_plan import plan_for
+
+#: The fixes whose policy is a step of this replacement.
+POLICIES = frozenset({ltx2_cp_plan.FIX_ID, cp_gather_grads.FIX_ID, cp_split_warning_once.FIX_ID})
 
 
 def build(shipped: Lookup, broken: frozenset[str]) -> dict[str, Any]:
     """The replacements for the ``broken`` fixes (diffusers' objects: ``shipped``)."""
-    if "cp_gather_grads" in broken and shipped(ENABLE_PARALLELISM) is not None:
-        return {ENABLE_PARALLELISM: enable_parallelism(shipped(ENABLE_PARALLELISM))}
+    steps = POLICIES & broken
+    if steps and shipped(ENABLE_PARALLELISM) is not None:
+        return {ENABLE_PARALLELISM: enable_parallelism(shipped(ENABLE_PARALLELISM), steps)}
     return {}
 
 
-def enable_parallelism(shipped: Any) -> Any:
-    """diffusers' ``ModelMixin.enable_parallelism`` (``shipped``), then the refusal of a plan gathering inside the
-    model (:func:`arm`: the ``cp_plan`` passed, else the model's own ``_cp_plan``, as diffusers reads them)."""
+def enable_parallelism(shipped: Any, steps: frozenset[str] = POLICIES) -> Any:
+    """diffusers' ``ModelMixin.enable_parallelism`` (``shipped``) with the ``steps`` (fix ids) of the policies above
+    around it: the plan completed or refused before it (:func:`plan_for`), the refusal of a plan gathering inside the
+    model (:func:`arm`) and the split hooks' logger given ``warning_once`` (:func:`lend`) after it."""
 
     @functools.wraps(shipped)
     def enable_parallelism(self: Any, *args: Any, **kwargs: Any) -> Any:
+        given = kwargs.get("cp_plan")
+        plan = given if given is not None else getattr(self, "_cp_plan", None)
+        if ltx2_cp_plan.FIX_ID in steps:
+            completed = plan_for(self, kwargs.get("config"), plan)
+            if completed is not plan:
+                plan = kwargs["cp_plan"] = completed
         result = shipped(self, *args, **kwargs)
-        plan = kwargs.get("cp_plan")
-        arm(self, kwargs.get("config"), plan if plan is not None else getattr(self, "_cp_plan", None))
+        if cp_gather_grads.FIX_ID in steps:
+            arm(self, kwargs.get("config"), plan)
+        if cp_split_warning_once.FIX_ID in steps:
+            lend(self)
         return result
 
     return enable_parallelism

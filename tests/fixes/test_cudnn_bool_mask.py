@@ -263,10 +263,12 @@ print(json.dumps(result))
     )
     assert result["applied"] == [
         "cp_gather_grads",
+        "cp_split_warning_once",
         "cudnn_bool_mask",
         "cudnn_input_dtypes",
         "cudnn_masked_row_grads",
         "flash_input_alignment",
+        "ltx2_cp_plan",
         "ring_grad_route",
         "ulysses_head_mask",
         "ulysses_kv_length",
