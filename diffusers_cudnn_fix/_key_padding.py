@@ -24,8 +24,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import _switches
-
 #: The autograd-context attribute that tells the backward what the forward trimmed.
 CTX_ATTR = "dcf_key_padding"
 _MAX_MASKS = 8
@@ -107,11 +105,12 @@ def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def trim(
     ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, given: torch.Tensor, mask: torch.Tensor, *,
-    dropout_p: float, is_causal: bool, save_ctx: bool, parallel_config: Any, restoring: Any,
+    dropout_p: float, is_causal: bool, save_ctx: bool, parallel_config: Any, restoring: Any, mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """(key, value, mask) for diffusers' cuDNN forward op: trimmed to the valid keys where ``given`` (the mask
         as it reached the op) only pads keys, else as they came. ``mask`` is ``given`` after the mask policy; the
-        keywords are the op's own arguments, and ``restoring`` the backward op that scatters the K/V gradients back
+        keywords are the op's own arguments, ``mode`` the mask mode the op read for this call, and ``restoring`` the
+    backward op that scatters the K/V gradients back
     (:func:`restored`), or None. Records on ``ctx`` what ``restored`` needs."""
     if torch.compiler.is_compiling() or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
         return key, value, mask
@@ -131,8 +130,8 @@ def trim(
         or getattr(getattr(parallel_config, "context_parallel_config", None), "ring_degree", 1) > 1
         # The backward that will run could not scatter the K/V gradients back.
         or (save_ctx and (restoring is None or getattr(ctx, "backward_op", None) is not restoring))
-        # Only in convert mode (warn: as upstream; error: bool masks never get here); mask_mode() without its frame.
-        or _switches._choice(_switches.MASK_VAR) != "convert"
+        # Only in convert mode (warn: as upstream; error: bool masks never get here).
+        or mode != "convert"
     ):
         return key, value, mask
     found = remembered(plan, given, mask.dtype)

@@ -21,9 +21,12 @@ FIX_TESTS = ROOT / "tests" / "fixes"
 
 
 def _policies() -> dict[str, set[str]]:
-    """Target module -> the fix ids it names, as its policy steps do (``if "<id>" in broken``); read from the
-    source: no torch."""
-    return {path.stem: set(re.findall(r'"([a-z_]+)"', path.read_text())) for path in (PACKAGE / "targets").glob("*.py")}
+    """Target module -> the fix ids it names, as its policy steps do (``if <id>.FIX_ID in broken``: the fix's
+    module by name); read from the source: no torch."""
+    return {
+        path.stem: set(re.findall(r"\b([a-z0-9_]+)\.FIX_ID\b", path.read_text()))
+        for path in (PACKAGE / "targets").glob("*.py")
+    }
 
 
 def test_the_table_and_the_test_table_name_the_same_fixes() -> None:

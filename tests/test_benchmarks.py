@@ -3,12 +3,14 @@
 The GPU benchmarks (``benchmarks/``) run only in a GPU session, so a rename in the package or in the tests'
 harness broke ``bench_gpu.py`` unseen (its op table could no longer be made) while the session's step exited 0.
 Here each one runs on the CPU stand-in kernels (``tests/standin_kernels.py``): ``--dry-run`` builds and calls once,
-untimed, what the benchmark times (``bench_gpu.py``, ``probe_first_call.py``, ``probe_dead_rows.py``), and
-``gpu_random_cases.py`` runs a few cases with ``--device cpu``. A benchmark whose section raises exits 1, and
-``gpu_session.sh`` names only scripts and options that exist."""
+untimed, what the benchmark times (``bench_gpu.py``, ``probe_first_call.py``, ``probe_dead_rows.py``),
+``gpu_random_cases.py`` runs a few cases with ``--device cpu``, and ``trace_calls.py`` (a CPU benchmark) runs
+whole. A benchmark whose section raises exits 1, and ``gpu_session.sh`` names only scripts and options that
+exist."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -56,6 +58,18 @@ def test_probe_first_call_runs_each_step() -> None:
     proc = _run("benchmarks/probe_first_call.py", "--dry-run")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "whole probe, after all of the above" in proc.stdout, proc.stdout
+
+
+def test_trace_calls_counts_every_path(tmp_path) -> None:
+    """The call tracer (issue #40's hot-path budget): every path runs and counts the package's functions; the
+    Ulysses paths with a mask run more of them than the op pair without one (the tracer sees the policies)."""
+    out = tmp_path / "calls.json"
+    proc = _run("benchmarks/trace_calls.py", "--release", "0.42.1", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    paths = json.loads(out.read_text())["0.42.1"]
+    assert len(paths) == 5 and all(found["calls"] > 0 for found in paths.values()), paths
+    masked = paths["Ulysses forward, bool mask [B, 1, S, S]"]
+    assert masked["calls"] > paths["op pair, no mask"]["calls"] and "mask_policy" in masked["by_function"], masked
 
 
 def test_probe_dead_rows_runs_its_first_cases(tmp_path) -> None:

@@ -50,10 +50,15 @@ def _warn_once(category: type[_warnings.DiffusersCudnnFixWarning], message: str)
 
 
 def mask_policy(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    mode: str | None = None,
 ) -> torch.Tensor | None:
-    """The mask to hand the kernel, by mode (docs/behaviour.md), or :class:`UnsafeAttentionError`. Its dtype is
-    the one the op computes in: q's, or autocast's where autocast is on."""
+    """The mask to hand the kernel, by ``mode`` (docs/behaviour.md; None: the switch's, read here), or
+    :class:`UnsafeAttentionError`. Its dtype is the one the op computes in: q's, or autocast's where autocast is
+    on."""
     if attn_mask is None:
         return None
     if _ledger.recording:
@@ -73,7 +78,7 @@ def mask_policy(
             " it too.", "The kernel would add it as a bias, so the call is refused.",
             "Pass a bool mask (True = attend) or an additive mask of q's dtype.", SECTION))  # fmt: skip
     forced = getattr(_forced, "mode", None)  # the check's own runs: no notice for the user
-    mode, var = forced or _switches.mask_mode(), _switches.MASK_VAR
+    mode, var = forced or mode or _switches.mask_mode(), _switches.MASK_VAR
     if mode == "error":
         raise UnsafeAttentionError(explain(
             _reached(attn_mask, dtype), "Refused in error mode: outputs and gradients would be wrong.",

@@ -42,21 +42,27 @@ def _rank(cp: Any) -> int:
     return int(rank)
 
 
+def rank_heads(attn_mask: torch.Tensor, local: int, cp: Any) -> torch.Tensor:
+    """Of a mask with every head (Ulysses degree x ``local``, the heads of q after the all-to-all), the ``local``
+    heads this rank holds: the all-to-all leaves rank r the r-th run of H / degree heads. Any other mask as it is."""
+    degree = cp.ulysses_degree
+    if attn_mask.ndim == 4 and degree > 1 and attn_mask.shape[1] == local * degree:
+        if _ledger.recording:
+            _ledger.reached(FIX_ID)
+        start = _rank(cp) * local
+        return attn_mask[:, start : start + local].contiguous()
+    return attn_mask
+
+
 def cut_to_rank(forward_op: Callable[..., Any], parallel_config: Any) -> Callable[..., Any]:
     """``forward_op`` (the attention op diffusers' Ulysses forward calls after its all-to-all) handed, of a mask with
-    every head (``degree`` x q's heads there), the heads this rank holds: the all-to-all leaves rank r the r-th
-    run of H / degree heads. The cut is made where the mask meets the op, so after diffusers gathered it along the
-    keys (0.39+), whose gather needs every rank's whole mask."""
+    every head, the heads this rank holds (:func:`rank_heads`). The cut is made where the mask meets the op, so
+    after diffusers gathered it along the keys (0.39+), whose gather needs every rank's whole mask."""
     cp = parallel_config.context_parallel_config
-    degree = cp.ulysses_degree
 
     def with_rank_heads(ctx: Any, query: Any, key: Any, value: Any, attn_mask: Any, *args: Any, **kwargs: Any) -> Any:
-        local = query.shape[2]
-        if isinstance(attn_mask, torch.Tensor) and attn_mask.ndim == 4 and attn_mask.shape[1] == local * degree:
-            if _ledger.recording:
-                _ledger.reached(FIX_ID)
-            start = _rank(cp) * local
-            attn_mask = attn_mask[:, start : start + local].contiguous()
+        if isinstance(attn_mask, torch.Tensor):
+            attn_mask = rank_heads(attn_mask, query.shape[2], cp)
         return forward_op(ctx, query, key, value, attn_mask, *args, **kwargs)
 
     return with_rank_heads

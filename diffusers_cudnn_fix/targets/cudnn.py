@@ -20,9 +20,11 @@ from typing import Any
 
 import torch
 
+from .. import _ledger
 from .._fix import Lookup
 from .._key_padding import restored, trim
 from .._layout import entering, realigned_all
+from .._switches import mask_mode
 from ..fixes import (
     CUDNN_BACKWARD,
     CUDNN_FORWARD,
@@ -79,11 +81,16 @@ def forward_op(shipped: Any, broken: frozenset[str], gqa_refused: bool, restorin
                 if dtypes:
                     refuse_unsupported_dtypes(query, key, value, None)
                 if masks and attn_mask is not None:
-                    given, attn_mask = attn_mask, mask_policy(query, key, value, attn_mask)
+                    mode, given = mask_mode(), attn_mask  # the mode read once per call, for the policy and the trim
+                    # A mask already in the dtype the op computes in (q's, cast above) is what the policy would
+                    # return as it is: decided where it entered Ulysses, or passed so. The policy runs for any other,
+                    # and for verify's count.
+                    if attn_mask.dtype != query.dtype or attn_mask.requires_grad or _ledger.recording:
+                        attn_mask = mask_policy(query, key, value, attn_mask, mode)
                     if attn_mask is not None:  # a mask that only pads keys: the valid keys alone (convert mode)
                         key, value, attn_mask = trim(
                             ctx, query, key, value, given, attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                            save_ctx=_save_ctx, parallel_config=_parallel_config, restoring=restoring,
+                            save_ctx=_save_ctx, parallel_config=_parallel_config, restoring=restoring, mode=mode,
                         )  # fmt: skip
                 # A new per-call step on the mask the kernel gets goes here.
                 # Views at an odd offset reach the kernel as they are on every release: hand it aligned memory.

@@ -36,6 +36,7 @@ from ..fixes import (
     ring_grad_route,
 )
 from ..fixes.ring_grad_route import StepOps
+from ..fixes.ulysses_head_mask import rank_heads
 
 if torch.distributed.is_available():
     from torch.distributed import _functional_collectives as funcol
@@ -167,6 +168,10 @@ def ring_attention_forward(
             gather=lambda mask: _gathered_mask(mask, config, funcol),
             in_rank_order=lambda mask: _in_rank_order(mask, config),
         )  # fmt: skip
+        if masks is not None and (getattr(config, "ulysses_degree", 1) or 1) > 1:
+            # Unified attention: q holds this rank's heads after Ulysses' all-to-all; a per-head mask (LTX's) came
+            # with every head. Cut after the gather along the keys, which needs every rank's whole mask.
+            masks = tuple(rank_heads(mask, query.shape[2], config) for mask in masks)
     kept: list[Any] = [None] * world
     gathered = funcol.all_gather_tensor(
         torch.cat([key.flatten(), value.flatten()]).contiguous(), gather_dim=0, group=group

@@ -26,6 +26,7 @@ import torch
 from .. import _ledger
 from .._detect import input_count, run_ulysses_backward
 from .._fix import Lookup
+from .._switches import mask_mode
 from ..fixes import (
     CUDNN_FORWARD,
     FLASH_FORWARD,
@@ -110,11 +111,11 @@ def forward(shipped: Any, broken: frozenset[str], meets: dict[Any, ForwardOp], *
         if isinstance(attn_mask, torch.Tensor) and not (gqa and needs is not None and needs.refuses_gqa):
             if qwen:
                 attn_mask = in_kv_order(attn_mask, query, key, config, anything=anything)
-            if grad:
+            if grad and (attn_mask.requires_grad or _ledger.recording):  # where it refuses, or verify counts it
                 refuse_mask_grad(attn_mask)
             # A mask that requires grad goes on as it came: with the mask-grad guard off, the op's policy refuses it.
             if needs is not None and needs.converts_masks and not attn_mask.requires_grad:
-                attn_mask = mask_policy(query, key, value, attn_mask)
+                attn_mask = mask_policy(query, key, value, attn_mask, mask_mode())
             if heads and op is not None and per_head(attn_mask, query, config):
                 # diffusers' forward gathers the mask (every rank's whole one) before the op: the op cuts it.
                 op = cut_to_rank(op, config)
