@@ -138,10 +138,14 @@ def _flux(torch: Any, diffusers: Any, s: Shapes, gen: Any) -> ModelAndInputs:
 
 
 def _flux2(torch: Any, diffusers: Any, s: Shapes, gen: Any) -> ModelAndInputs:
+    import inspect
+
+    # 0.36.0's Flux2 always embeds a guidance scale (no guidance_embeds switch): it gets one as an input.
+    switch = "guidance_embeds" in inspect.signature(diffusers.Flux2Transformer2DModel.__init__).parameters
     model = diffusers.Flux2Transformer2DModel(
         patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
         num_attention_heads=s.heads, joint_attention_dim=8, timestep_guidance_channels=16, mlp_ratio=2.0,
-        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
+        axes_dims_rope=(4, 4, 4, 4), **({"guidance_embeds": False} if switch else {}),
     )  # fmt: skip
     img_ids = torch.tensor([[0.0, i // 2, i % 2, 0.0] for i in range(s.tokens)])
     txt_ids = torch.tensor([[0.0, 0.0, 0.0, float(i)] for i in range(s.tokens)])
@@ -153,6 +157,8 @@ def _flux2(torch: Any, diffusers: Any, s: Shapes, gen: Any) -> ModelAndInputs:
         "img_ids": img_ids.expand(BATCH, -1, -1).contiguous(),
         "txt_ids": txt_ids.expand(BATCH, -1, -1).contiguous(),
     }
+    if not switch:
+        inputs["guidance"] = torch.tensor([3.5, 3.5])
     return model, inputs, (_randn(torch, gen, BATCH, s.tokens, 4),)
 
 
