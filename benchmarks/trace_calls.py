@@ -49,7 +49,8 @@ paths = {
     "op pair, no mask": lambda: pair.apply(q, k, v, None),
     "op pair, bool key-padding mask": lambda: pair.apply(q, k, v, keep),
     "Ulysses forward, no mask": lambda: ulysses_attention(module, q, k, v, None, config=config),
-    "Ulysses forward, bool mask (sequence-local, gathered)": lambda: ulysses_attention(module, q, k, v, keep, config=config),
+    "Ulysses forward, bool mask (sequence-local, gathered)": lambda: ulysses_attention(
+        module, q, k, v, keep, config=config),
     "Ulysses forward, bool mask [B, 1, S, S]": lambda: ulysses_attention(module, q, k, v, joint, config=config),
 }
 result = {}
