@@ -8,6 +8,9 @@
 #   bash benchmarks/gpu_session.sh references  # tests/test_references.py under that machine's Python
 #   bash benchmarks/gpu_session.sh ringmask  # ring attention with masks on the real kernels (0.39.0, 0.42.1;
 #                                          # tests/test_gpu_ring_masks.py), about 2 min
+#   bash benchmarks/gpu_session.sh ulyssesmodels  # Ulysses at world size 1 on the real kernels: keys
+#                                                 # of another length, a per-head mask (0.39.0, 0.42.1;
+#                                                 # tests/test_gpu_ulysses_models.py), not yet timed
 #   bash benchmarks/gpu_session.sh keypad  # key-padding masks: bench_gpu.py --sections keypad on 0.39.0 and
 #                                          # 0.42.1, and tests/test_gpu_key_padding.py (about 3 min)
 #   bash benchmarks/gpu_session.sh verify   # `diffusers-cudnn-fix verify` on this GPU: tests/test_gpu_verify.py
@@ -39,6 +42,7 @@ export DIFFUSERS_WHEELS=$PWD/.whl  # tests/releases.py installs each release fro
 RELEASES="0.36.0 0.39.0 0.40.0 0.42.1"
 [ "${1:-}" = upstream ] && RELEASES=0.42.1  # the upstream mode needs (and carries the wheel of) 0.42.1 only
 [ "${1:-}" = ringmask ] && RELEASES="0.39.0 0.42.1"  # as tests/test_gpu_ring_masks.py runs them
+[ "${1:-}" = ulyssesmodels ] && RELEASES="0.39.0 0.42.1"  # as tests/test_gpu_ulysses_models.py runs them
 python3 tests/releases.py $RELEASES >/dev/null || exit 1
 
 # Process groups started by the tests / the random-case runner, ended if a step's time limit stops its parent.
@@ -156,6 +160,16 @@ ringmask)
     step "ring masks" "${DCF_TESTS_LIMIT:-240}" env DIFFUSERS_CUDNN_FIX_RESULTS=$OUT \
         python3 -m pytest tests/test_gpu_ring_masks.py -q -p no:cacheprovider -rfEs 2>&1 \
         | tee "$OUT/gpu-ring-masks-tests.log"
+    ;;
+ulyssesmodels)
+    # diffusers' Ulysses attention in a one-process NCCL group (issue #42): keys shorter than the queries on the cuDNN
+    # and flash ops, a per-head mask on cuDNN, and diffusers' shipped backward as the control (raw JSON
+    # gpu-ulysses-models-<release>.json); not yet timed on a GPU.
+    python3 -c "import torch; print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version())" \
+        >"$OUT/gpu-session.log" 2>&1
+    step "ulysses models" "${DCF_TESTS_LIMIT:-240}" env DIFFUSERS_CUDNN_FIX_RESULTS=$OUT \
+        python3 -m pytest tests/test_gpu_ulysses_models.py -q -p no:cacheprovider -rfEs 2>&1 \
+        | tee "$OUT/gpu-ulysses-models-tests.log"
     ;;
 keypad)
     # Key-padding masks run on the valid keys alone: timings side by side (0.39.0: the package's corrected op

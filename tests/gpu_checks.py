@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import types
 import warnings
 from typing import Any
 
@@ -327,6 +328,124 @@ def main_ring_masks() -> None:
         "ring_masks": ring_masks(),
     }
     print(json.dumps(result, default=str))
+    os._exit(0)
+
+
+#: The Ulysses cases at world size 1 (issue #42): (batch, query tokens, key tokens, heads, head dim), keys shorter than
+#: the queries (cross-attention to text, as LTX's): the threaded ring's head dim, and a real model's (a CLIP-length
+#: prompt of 77 tokens, 8 heads of 64).
+ULYSSES_SHAPES = {"tiny": (2, 64, 24, 2, 8), "model": (1, 256, 77, 8, 64)}
+
+
+def _padded_keys(batch: int, heads: int, seq_q: int, seq_kv: int) -> torch.Tensor:
+    """A per-head bool mask ``[B, H, S_q, S_kv]`` (True = attend) padding the last keys, a different number of them
+    for each batch item and head (1 up to half the keys: every query keeps a key), so a wrong head order shows."""
+    pads = 1 + (5 * torch.arange(batch * heads)) % (seq_kv // 2)
+    keep = torch.arange(seq_kv) < (seq_kv - pads).view(batch, heads, 1, 1)
+    return keep.expand(batch, heads, seq_q, seq_kv).contiguous()
+
+
+def ulysses_models(device: str = "cuda") -> dict[str, Any]:
+    """diffusers' own ``TemplatedUlyssesAttention`` (as installed: the package's forward and backward) in a
+    one-process group (NCCL on CUDA, gloo on the CPU) at Ulysses degree 1, the findings of issue #42 that world size
+    1 reaches, on the real kernels:
+
+    * ``ulysses_kv_length``: cross-attention, keys shorter than the queries (:data:`ULYSSES_SHAPES`), forward and
+      backward on the cuDNN op pair and, where the release has it, the native-flash one;
+    * ``ulysses_head_mask``: the same with a per-head bool mask of padded keys (:func:`_padded_keys`), cuDNN only
+      (diffusers' flash ops take no mask). At degree 1 the rank holds every head: the package's path must hand the
+      mask on whole.
+
+    Each case against fp32 attention on the same bf16 inputs (``threaded_ring._reference``): ``status`` ``"pass"``
+    (every relative error within ``threaded_ring.TOLERANCE``), ``"wrong"`` or ``"raised"``, and ``rule_passed``, the
+    probe's rule against the same attention computed eagerly in bf16. The control: the model shape's key-length case
+    through diffusers' shipped backward (``/shipped backward``), which reshapes dK/dV with the queries' length.
+    ``device="cpu"``: the same on the CPU stand-in kernels (tests/test_gpu_ulysses_models.py's dry run)."""
+    import threaded_ring
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not hasattr(module, "TemplatedUlyssesAttention"):
+        return {"status": "absent"}
+    diffusers_cudnn_fix.apply()
+    started = not dist.is_initialized()
+    if started:
+        store = tempfile.NamedTemporaryFile(delete=False)
+        backend = "nccl" if device == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{store.name}", rank=0, world_size=1)
+    config = ulysses_config(init_device_mesh(device, (1,)))
+    cls = module.TemplatedUlyssesAttention
+    shipped = diffusers_cudnn_fix.get_original("TemplatedUlyssesAttention.backward").__func__
+    # The control: the installed forward with the backward diffusers shipped, as an autograd Function of its own.
+    control = types.SimpleNamespace(
+        TemplatedUlyssesAttention=type(
+            "ShippedBackward", (torch.autograd.Function,), {"forward": cls.forward, "backward": staticmethod(shipped)}
+        )
+    )
+
+    def run(backend: str, shape: tuple[int, ...], masked: bool, attention: Any = module) -> dict[str, Any]:
+        batch, seq_q, seq_kv, heads, dim = shape
+        gen = torch.Generator().manual_seed(seq_q + seq_kv)
+        q, k, v, grad = (
+            torch.randn(batch, seq, heads, dim, generator=gen).to(torch.bfloat16)
+            for seq in (seq_q, seq_kv, seq_kv, seq_q)
+        )
+        mask = _padded_keys(batch, heads, seq_q, seq_kv) if masked else None
+        forward_name, backward_name = threaded_ring.BACKEND_OPS[backend]
+        leaves = [x.clone().to(device).requires_grad_(True) for x in (q, k, v)]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the bool mask's conversion warning
+                out = ulysses_attention(
+                    attention, *leaves, None if mask is None else mask.to(device), config=config,
+                    forward_op=getattr(module, forward_name), backward_op=getattr(module, backward_name),
+                )  # fmt: skip
+                out.backward(grad.to(device))
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {str(exc)[:200]}"
+            return {"status": "raised", "raised": type(exc).__name__, "error": error}
+        got = [t.float().cpu() for t in (out.detach(), *(x.grad for x in leaves))]
+        golden = threaded_ring._reference(q, k, v, grad, mask=mask)
+        for name, g, ref in zip(NAMES, got, golden, strict=True):
+            if g.shape != ref.shape:
+                return {"status": "wrong", "error": f"{name} of shape {tuple(g.shape)}, not {tuple(ref.shape)}"}
+        low = threaded_ring._reference(q, k, v, grad, torch.bfloat16, device, mask=mask)
+        abs_errors = {
+            n: torch.nan_to_num((g - ref).abs(), nan=float("inf")).max().item()
+            for n, g, ref in zip(NAMES, got, golden, strict=True)
+        }
+        errors = {n: abs_errors[n] / ref.abs().max().item() for n, ref in zip(NAMES, golden, strict=True)}
+        bf16_errors = {n: (x - ref).abs().max().item() for n, x, ref in zip(NAMES, low, golden, strict=True)}
+        return {
+            "status": "pass" if max(errors.values()) <= threaded_ring.TOLERANCE else "wrong",
+            "errors": errors, "abs_errors": abs_errors, "bf16_errors": bf16_errors,
+            "rule_passed": all(probe.within_rule(abs_errors[n], bf16_errors[n]) for n in NAMES),
+        }  # fmt: skip
+
+    results: dict[str, Any] = {}
+    for shape_name, shape in ULYSSES_SHAPES.items():
+        for backend in ("cudnn", "flash"):
+            if hasattr(module, threaded_ring.BACKEND_OPS[backend][1]):
+                results[f"{backend}/{shape_name}/kv_length"] = run(backend, shape, masked=False)
+        results[f"cudnn/{shape_name}/head_mask"] = run("cudnn", shape, masked=True)
+    results["cudnn/model/kv_length/shipped backward"] = run("cudnn", ULYSSES_SHAPES["model"], False, control)
+    if started:
+        dist.destroy_process_group()
+    return {"backward_replaced": diffusers_cudnn_fix.is_patched("TemplatedUlyssesAttention.backward"), "cases": results}
+
+
+def main_ulysses_models() -> None:
+    """Only ``ulysses_models``, one JSON line."""
+    import diffusers
+
+    result = {
+        "version": diffusers.__version__,
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+        "gpu": torch.cuda.get_device_name(),
+        "ulysses_models": ulysses_models(),
+    }
+    print(json.dumps(result, default=str), flush=True)
     os._exit(0)
 
 

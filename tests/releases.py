@@ -10,7 +10,8 @@ ours (``PRELOAD``; one per pytest process, started on first use): importing torc
 fork has imported neither diffusers nor this package, so the import order between them, the package's
 environment switches and the release on the path are as in a fresh interpreter; what it cannot show is
 anything about torch's own import (CUDA initialisation, threads, torch's environment variables): tests of
-those run fresh (the default).
+those run fresh (the default). It forks only while it has one thread (``OPENBLAS_NUM_THREADS=1`` there: numpy's
+OpenBLAS would start a thread server), and refuses to start otherwise (``tests/test_releases_harness.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ RELEASES = ("0.35.2", "0.36.0", "0.37.0", "0.37.1", "0.38.0", "0.39.0", "0.40.0"
 BROKEN_CUDNN = ("0.36.0", "0.37.0", "0.37.1", "0.38.0", "0.39.0")
 #: Releases whose native-flash context-parallel backward is broken as shipped.
 BROKEN_FLASH = ("0.37.0", "0.37.1", "0.38.0", "0.39.0")
+#: Every release with the context-parallel ops (all but 0.35.2): what most fixes' ``CARRIES`` start from.
+WITH_OPS = frozenset(RELEASES) - {"0.35.2"}
 
 
 def release_dir(version: str) -> Path:
@@ -143,8 +146,10 @@ def fix_states(version: str) -> dict[str, list]:
 #: most (``torch._dynamo``, through ``torch.compiler``). No diffusers, no package, no test module.
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed")
 #: Its environment's differences from the test process's: warnings as ``run`` sets them for every script
-#: (a request asking for other warning options runs fresh); nothing of ours on the path.
-_ZYGOTE_ENV = {"PYTHONWARNINGS": "default", "PYTHONPATH": ""}
+#: (a request asking for other warning options runs fresh); nothing of ours on the path; and no OpenBLAS
+#: thread server (numpy, which torch imports, starts one): a process that forks must have one thread, since the
+#: child gets a copy of memory that other threads may be changing (CI once saw a forked search die in malloc).
+_ZYGOTE_ENV = {"PYTHONWARNINGS": "default", "PYTHONPATH": "", "OPENBLAS_NUM_THREADS": "1"}
 
 #: The preloaded interpreter: reads one request per line (JSON) on stdin, answers with a line once it forked.
 #: Each request is run in a grandchild: the child waits for it and writes its exit status to a file, which is
@@ -156,6 +161,9 @@ _ZYGOTE = r"""
 import importlib, json, os, sys
 for name in sys.argv[1:]:
     importlib.import_module(name)
+threads = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["main"]
+if len(threads) != 1:  # forking now would copy memory other threads are changing: refuse, loudly
+    sys.exit(f"the preloaded interpreter has {len(threads)} threads after importing {sys.argv[1:]}; it forks with one")
 def reap(block):
     while True:
         try:

@@ -16,7 +16,10 @@ random seed each run. The searches run in parallel, as many at a time as there a
 from __future__ import annotations
 
 import os
+import subprocess
+import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from releases import ROOT, release_dir, run
@@ -38,14 +41,23 @@ def _profile() -> str:
 
 
 def _search(version: str, mode: str) -> dict:
+    """One search in a fresh interpreter. Each example is written to a trace file before it runs
+    (``PROPERTY_TRACE``): should the process die (a signal, a hang), the failure names the example it was in."""
     timeout = 300 if _profile() in ("ci", "short") else 3 * 3600
-    return run(
-        release_dir(version),
-        f"import subprocess_property_search; subprocess_property_search.main({mode!r})",
-        env={"HYPOTHESIS_PROFILE": _profile()},
-        timeout=timeout,
-        preloaded=True,
-    )
+    with tempfile.TemporaryDirectory(prefix="property-trace-") as folder:
+        trace = Path(folder, "examples.txt")
+        try:
+            return run(
+                release_dir(version),
+                f"import subprocess_property_search; subprocess_property_search.main({mode!r})",
+                env={"HYPOTHESIS_PROFILE": _profile(), "PROPERTY_TRACE": str(trace)},
+                timeout=timeout,
+                preloaded=True,
+            )
+        except (AssertionError, subprocess.TimeoutExpired) as exc:
+            lines = trace.read_text().splitlines() if trace.exists() else []
+            last = lines[-1] if lines else "(none: it died before the first example)"
+            raise AssertionError(f"{exc}\nexamples begun: {len(lines)}; the last one: {last}") from exc
 
 
 def _selected(session: pytest.Session) -> list[str]:

@@ -1,0 +1,87 @@
+"""Ulysses attention on the real kernels at world size 1 (issue #42): ``gpu_checks.ulysses_models`` per release in a
+fresh interpreter, on one GPU (a one-process NCCL group: diffusers' own ``TemplatedUlyssesAttention`` at Ulysses
+degree 1, with the package's forward and backward).
+
+The two findings of #42 that a world of one process reaches, through the installed cuDNN ops and, where the release
+has them, the native-flash ones: cross-attention with keys shorter than the queries (``ulysses_kv_length``: diffusers'
+backward reshapes dK/dV with the queries' length, at any world size), at the threaded ring's head dim and a real
+model's; and a per-head bool mask of padded keys (``ulysses_head_mask``'s path, cuDNN only: at degree 1 the rank holds
+every head, so the mask must reach the op whole). Every case must be right within the probe's rule (5 x the error of
+the same attention in bf16, + 1e-3, against fp32). The control: diffusers' shipped backward on the key-length case
+raises or is wrong.
+
+The GPU cases are marked ``gpu`` (skipped without a CUDA GPU, reason shown). The same check also runs on the CPU
+stand-in kernels in a one-process gloo group (``test_ulysses_models_check_runs_on_the_cpu_standins``), so CI runs the
+code the GPU session depends on, and it can be shown failing: with ``DIFFUSERS_CUDNN_FIX_SKIP=ulysses_kv_length``
+every case goes through diffusers' own backward and raises.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from releases import release_dir, run
+
+from diffusers_cudnn_fix.fixes import ulysses_kv_length
+
+RELEASES = ("0.39.0", "0.42.1")
+#: diffusers' own error: dK/dV reshaped with the queries' length.
+SHIPPED_ERROR = "is invalid for input of size"
+#: Every case the check runs on these releases (both have the native-flash ops), and its control.
+CASES = {
+    f"{backend}/{shape}/{kind}"
+    for shape in ("tiny", "model")
+    for backend, kind in (("cudnn", "kv_length"), ("flash", "kv_length"), ("cudnn", "head_mask"))
+} | {"cudnn/model/kv_length/shipped backward"}
+
+
+def assert_ulysses_models(result: dict[str, Any], *, device: str) -> None:
+    cases = result["ulysses_models"]["cases"]
+    assert result["ulysses_models"]["backward_replaced"], result["ulysses_models"]
+    assert set(cases) == CASES, sorted(cases)
+    for name, case in cases.items():
+        if name.endswith("/shipped backward"):
+            assert case["status"] in ("wrong", "raised"), (name, case)  # the control: the bug is there
+        else:
+            assert case["status"] == "pass", (name, case)
+            if device == "cuda":
+                assert case["rule_passed"], (name, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", RELEASES)
+def test_ulysses_models_on_the_real_kernels(version: str) -> None:
+    result = run(release_dir(version), "import gpu_checks; gpu_checks.main_ulysses_models()", timeout=300)
+    result.pop("_stderr", None)
+    folder = os.environ.get("DIFFUSERS_CUDNN_FIX_RESULTS")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        Path(folder, f"gpu-ulysses-models-{version}.json").write_text(json.dumps(result, indent=1))
+    assert_ulysses_models(result, device="cuda")
+
+
+CPU_SCRIPT = """
+import json, standin_kernels, gpu_checks
+standin_kernels.register()
+print(json.dumps({"ulysses_models": gpu_checks.ulysses_models(device="cpu")}, default=str))
+"""
+
+
+@pytest.mark.parametrize("skip", [None, ulysses_kv_length.FIX_ID])
+def test_ulysses_models_check_runs_on_the_cpu_standins(skip: str | None) -> None:
+    """The GPU check's own code on the CPU stand-ins (both shapes, gloo), on 0.42.1; without the package's backward
+    every case, cross-attention all of them, raises diffusers' reshape error (the check can fail)."""
+    env = {"DIFFUSERS_CUDNN_FIX_SKIP": skip} if skip else {}
+    result = run(release_dir("0.42.1"), CPU_SCRIPT, timeout=300, env=env)
+    if skip is None:
+        assert_ulysses_models(result, device="cpu")
+        return
+    assert not result["ulysses_models"]["backward_replaced"], result["ulysses_models"]
+    cases = result["ulysses_models"]["cases"]
+    assert set(cases) == CASES, sorted(cases)
+    for name, case in cases.items():
+        assert case["status"] == "raised" and SHIPPED_ERROR in case["error"], (name, case)

@@ -1,0 +1,39 @@
+"""The test harness's preloaded interpreter (``releases.run(preloaded=True)``) forks only with one thread.
+
+A fork copies the memory of every thread but runs only one: whatever another thread was changing is copied
+half-changed. numpy's OpenBLAS starts a thread server when torch imports it, so the preloaded interpreter runs
+with ``OPENBLAS_NUM_THREADS=1`` and refuses to start if any import left a second thread.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import releases
+
+
+def test_a_preloaded_script_starts_with_one_thread() -> None:
+    result = releases.run(
+        None,
+        "import json, os; print(json.dumps({'threads': len(os.listdir('/proc/self/task'))}))",
+        preloaded=True,
+    )
+    assert result["threads"] == 1, result
+
+
+def test_the_preloaded_interpreter_refuses_to_fork_with_a_second_thread(tmp_path: Path) -> None:
+    (tmp_path / "starts_a_thread.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", releases._ZYGOTE, "starts_a_thread"],
+        input="",
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)},
+        timeout=60,
+    )
+    assert proc.returncode != 0 and "ready" not in proc.stdout, (proc.stdout, proc.stderr)
+    assert "2 threads" in proc.stderr, proc.stderr
