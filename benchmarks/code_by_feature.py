@@ -57,12 +57,12 @@ OWNERS = {
     **_each("_detect.py", "ATEN_SIGNATURES aten_signature _meta_lse_ndim _difference aten_contract_problem", CONTRACT),
     **_each(
         "_detect.py",
-        "with_globals with_stand_ins _rebuilt rebuilt_around rebuilt_with _content FAKE_MESH ReachedOp _all_gather "
+        "with_globals with_stand_ins FAKE_MESH ReachedOp _all_gather "
         "ULYSSES_STAND_INS ULYSSES_ANYTHING_STAND_INS _reach_op call_ulysses mask_entering _reach_gather op_reached "
         "run_ulysses_backward",
         STAND_INS,
     ),
-    **_each("_detect.py", "RING_FORWARD_PARAMS installed_ring run_ring", RING),
+    **_each("_detect.py", "RING_FORWARD_PARAMS installed_ring ring_collectives run_ring", RING),
     **dict.fromkeys(("_probe.py", "_devices.py"), PROBE),
     **_each("_devices.py", "trying_views zero_copy_allowed", ZERO_COPY),
     "__main__.py": DOCTOR,

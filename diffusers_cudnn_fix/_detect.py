@@ -24,8 +24,8 @@ import torch
 from packaging.version import Version
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._fix import Finding, Lookup
-from ._target_names import RING_BACKWARD, RING_CLASS, RING_FORWARD
+from ._fix import Finding, Lookup, built_of, shipped_of
+from ._target_names import RING_BACKWARD, RING_CLASS, RING_FORWARD, ULYSSES_BACKWARD
 
 
 def spreads(config: Any) -> bool:
@@ -415,10 +415,12 @@ def aten_contract_problem(*ops: str) -> Finding | None:
 
 
 def with_globals(fn: Callable[..., Any], **overrides: Any) -> Callable[..., Any]:
-    """A copy of ``fn`` that sees ``overrides`` in place of some module globals; ``fn`` itself is untouched.
+    """A copy of diffusers' function ``fn`` that sees ``overrides`` in place of some of its module globals (its
+    collectives); ``fn`` itself is untouched.
 
-    Lets the checks of the templated context-parallel classes run their backward in one process with
-    stand-in collectives, without touching ``torch.distributed`` or diffusers' module.
+    diffusers' own code reaches its collectives through its module's globals, so this is how a check runs it in one
+    process with stand-ins, without touching ``torch.distributed`` or diffusers' module. The package's own
+    replacements are never copied so: a check builds them again with its collaborators (``_fix.built_of``).
     """
     assert isinstance(fn, types.FunctionType)
     copy = types.FunctionType(
@@ -428,45 +430,16 @@ def with_globals(fn: Callable[..., Any], **overrides: Any) -> Callable[..., Any]
     return copy
 
 
-def with_stand_ins(fn: Callable[..., Any], shipped: Any, **overrides: Any) -> Callable[..., Any]:
-    """``fn`` running diffusers' function ``shipped`` with ``overrides`` in place of some of its globals (the
-    collectives): where ``fn`` is ``shipped``, a copy of it (:func:`with_globals`); where ``fn`` is a replacement
-    built around ``shipped`` (its builder's argument, held in its closure), the same replacement built around that
-    copy. Anything else runs as it is."""
-    if not (isinstance(fn, types.FunctionType) and isinstance(shipped, types.FunctionType)):
-        return fn
-    copy = with_globals(shipped, **overrides)
-    return copy if fn is shipped else (rebuilt_around(fn, shipped, copy) or fn)
-
-
-def _rebuilt(fn: Any, held: Callable[[Any], bool], value: Any) -> types.FunctionType | None:
-    """``fn`` (a built replacement) as its builder makes it when handed ``value`` in place of what its closure
-    holds where ``held(content)``; None where it holds no such thing."""
-    if not isinstance(fn, types.FunctionType) or not any(held(_content(cell)) for cell in fn.__closure__ or ()):
-        return None
-    cells = tuple(types.CellType(value) if held(_content(cell)) else cell for cell in fn.__closure__ or ())
-    return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
-
-
-def rebuilt_around(fn: Any, shipped: Any, inner: Any) -> types.FunctionType | None:
-    """The replacement ``fn`` built around ``inner`` instead of diffusers' ``shipped`` (the function its builder
-    was handed, held in its closure): the seam a builder is, used on a built replacement. None where ``fn`` holds
-    no ``shipped``."""
-    return _rebuilt(fn, lambda content: content is shipped, inner)
-
-
-def rebuilt_with(fn: Any, record: Any) -> Any:
-    """The replacement ``fn`` as its builder makes it when handed ``record`` instead of the record of the same type
-    it was handed (held in its closure): the builder's seam, used on a built replacement. ``fn`` itself where it
-    holds no such record (diffusers' own function)."""
-    return _rebuilt(fn, lambda content: type(content) is type(record), record) or fn
-
-
-def _content(cell: Any) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell
-        return None
+def with_stand_ins(lookup: Lookup, name: str, stand_ins: dict[str, Any], **seams: Any) -> Callable[..., Any] | str:
+    """What a check runs at ``name`` with ``stand_ins`` in place of some globals of diffusers' function there (its
+    collectives): diffusers' own a copy of it (:func:`with_globals`), a replacement built again around that copy
+    with ``seams`` (``_fix.built_of``). A text where diffusers' object there is not a plain function, or where the
+    replacement cannot be built so."""
+    shipped = shipped_of(lookup, name)
+    if not isinstance(shipped, types.FunctionType):
+        return f"diffusers' {name} is a {type(shipped).__name__}, not a function"
+    run = built_of(lookup, name, with_globals(shipped, **stand_ins), **seams)
+    return f"the replacement of {name} could not be built around a stand-in" if run is None else run
 
 
 #: Stands in for a DeviceMesh in the class checks: the stand-in collectives ignore the group.
@@ -523,18 +496,16 @@ def call_ulysses(
 
 
 def mask_entering(
-    forward: Any, shipped: Any, mask: torch.Tensor, *, passes: tuple[type[Exception], ...] = (), **call: Any
+    lookup: Lookup, name: str, mask: torch.Tensor, *, passes: tuple[type[Exception], ...] = (), **call: Any
 ) -> torch.Tensor | str:
-    """The mask diffusers' own Ulysses forward ``shipped`` receives when ``forward`` is called with ``mask``
-    (:func:`call_ulysses` with ``call``): ``mask`` itself where ``forward`` is diffusers' own; where it is a
-    replacement, what it hands ``shipped``: the replacement is rebuilt around a stand-in that stops there
-    (:func:`rebuilt_around`). Else a text saying what happened instead. ``passes``: exceptions the caller
-    handles itself (raised on, not turned into a text)."""
-    if forward is shipped:
-        return mask
-    stopping = rebuilt_around(forward, shipped, _reach_op)
+    """The mask diffusers' own Ulysses forward at ``name`` receives when the forward ``lookup`` shows there is called
+    with ``mask`` (:func:`call_ulysses` with ``call``): ``mask`` itself where that is diffusers' own; where it is a
+    replacement, what it hands diffusers': the replacement is built around a stand-in that stops there
+    (``_fix.built_of``). Else a text saying what happened instead. ``passes``: exceptions the caller handles
+    itself (raised on, not turned into a text)."""
+    stopping = built_of(lookup, name, _reach_op)
     if stopping is None:
-        return f"the forward is not a replacement built around diffusers' ({type(forward).__name__})"
+        return f"the replacement of {name} could not be built around a stand-in"
     try:
         call_ulysses(stopping, mask, FAKE_MESH, **call)
     except passes:
@@ -551,19 +522,23 @@ def _reach_gather(out: list[torch.Tensor], tensor: torch.Tensor, group: Any = No
 
 
 def op_reached(
-    forward: Any, shipped: Any, mask: torch.Tensor, *, stand_ins: dict[str, Any] | None = None, gather: bool = False,
-    **call: Any,
+    lookup: Lookup, name: str, mask: torch.Tensor, *, stand_ins: dict[str, Any] | None = None, gather: bool = False,
+    shipped: bool = False, **call: Any,
 ) -> ReachedOp | str:  # fmt: skip
-    """Call ``forward`` (diffusers' Ulysses forward ``shipped``, or a replacement built around it) with stand-in
-    collectives (:func:`with_stand_ins`; ``stand_ins``, default :data:`ULYSSES_STAND_INS`) and ``mask``
+    """Call the Ulysses forward ``lookup`` shows at ``name`` (``shipped``: diffusers' own whatever it shows) with
+    stand-in collectives (:func:`with_stand_ins`; ``stand_ins``, default :data:`ULYSSES_STAND_INS`) and ``mask``
     (:func:`call_ulysses` on :data:`FAKE_MESH` with ``call``): what its attention op raised, with the mask it was
     handed (``gather``: what stopped it at diffusers' all-gather of the mask, with the tensor gathered; the call's
     ``forward_op`` then must not be the default); else a text saying what happened instead."""
     overrides = dict(ULYSSES_STAND_INS if stand_ins is None else stand_ins)
     if gather:
         overrides["dist"] = types.SimpleNamespace(**{**vars(overrides["dist"]), "all_gather": _reach_gather})
+    view: Lookup = (lambda n: shipped_of(lookup, n)) if shipped else lookup
+    forward = with_stand_ins(view, name, overrides)
+    if isinstance(forward, str):
+        return forward
     try:
-        call_ulysses(with_stand_ins(forward, shipped, **overrides), mask, FAKE_MESH, **call)
+        call_ulysses(forward, mask, FAKE_MESH, **call)
     except ReachedOp as reached:
         return reached
     except Exception as exc:  # noqa: BLE001 - a refusal, or an unknown build: the caller decides
@@ -571,16 +546,19 @@ def op_reached(
     return f"the forward returned without {'all-gathering the mask' if gather else 'calling the attention op'}"
 
 
-def run_ulysses_backward(backward: Any, shipped: Any) -> tuple[tuple[Any, ...] | None, str | None]:
-    """Run a Ulysses ``backward`` (degree 1, stand-in collectives, a backward op returning empty gradients) in
-    this process; returns what it returned, or None and the error. ``shipped``: diffusers' own backward."""
+def run_ulysses_backward(lookup: Lookup) -> tuple[tuple[Any, ...] | None, str | None]:
+    """Run the Ulysses backward ``lookup`` shows (degree 1, stand-in collectives, a backward op returning empty
+    gradients) in this process; returns what it returned, or None and the error."""
 
     def backward_op(ctx: Any, grad: torch.Tensor, *a: Any, **kw: Any) -> tuple[torch.Tensor, ...]:
         return torch.empty_like(grad), torch.empty_like(grad), torch.empty_like(grad)  # only counted
 
     config = _parallel_config(_ulysses_mesh=FAKE_MESH, ulysses_degree=1, _world_size=2)
     ctx = types.SimpleNamespace(_parallel_config=config, backward_op=backward_op)
-    run = with_stand_ins(backward, shipped, _all_to_all_single=lambda x, group=None: x)
+    identity = ULYSSES_STAND_INS["_all_to_all_single"]
+    run = with_stand_ins(lookup, ULYSSES_BACKWARD, {"_all_to_all_single": identity}, all_to_all=identity)
+    if isinstance(run, str):
+        return None, run
     try:
         return tuple(run(ctx, torch.empty(1, 4, 2, 8))), None
     except Exception as exc:  # noqa: BLE001 - an unknown build: say so
@@ -610,12 +588,18 @@ def installed_ring(lookup: Lookup) -> tuple[Any, Any] | Finding:
     return forward, backward
 
 
-def run_ring(
-    forward: Any, backward: Any, step: Any, backward_op: Any, *, world: int, gather: Any, permute: Any, shape: Any
-) -> tuple[Any, Any]:
-    """Run a ring ``forward``, then its ``backward``, as rank 0 of ``world`` ranks in this process, with stand-in
-    collectives (``gather``, ``permute``) and attention ops on zero q/k/v of ``shape``; a corrected ring must have
-    been built to drive ``backward_op`` (:func:`rebuilt_with`). Returns (output, gradients).
+def ring_collectives(gather: Any, permute: Any) -> Any:
+    """Stand-ins for the functional collectives a ring calls: ``all_gather_tensor`` (``gather``) and
+    ``permute_tensor`` (``permute``), whose results need no waiting."""
+    return types.SimpleNamespace(
+        all_gather_tensor=gather, permute_tensor=permute, AsyncCollectiveTensor=type("AsyncCollectiveTensor", (), {})
+    )
+
+
+def run_ring(forward: Any, backward: Any, step: Any, backward_op: Any, *, world: int, shape: Any) -> tuple[Any, Any]:
+    """Run a ring ``forward``, then its ``backward`` (each already seeing stand-in collectives, and a corrected one
+    built to drive ``backward_op``), as rank 0 of ``world`` ranks in this process, with attention ops on zero q/k/v
+    of ``shape``. Returns (output, gradients).
 
     The stand-in forward op returns ``step(k)``, (output, log-sum-exp) for a step's K, and saves what the
     0.36-0.39 ops save, in kernel layout."""
@@ -627,16 +611,10 @@ def run_ring(
             ctx.save_for_backward(*kernel, lse.transpose(1, 2).contiguous(), None, None, None, None)
         return out, lse
 
-    collectives = types.SimpleNamespace(
-        all_gather_tensor=gather, permute_tensor=permute, AsyncCollectiveTensor=type("AsyncCollectiveTensor", (), {})
-    )
     config = _parallel_config(
         _ring_mesh=FAKE_MESH, _ring_local_rank=0, ring_degree=world, convert_to_fp32=False, _world_size=world
     )
     ctx = ProbeCtx()
     q, k, v = (torch.zeros(shape) for _ in range(3))
-    result = with_globals(forward, funcol=collectives)(
-        ctx, q, k, v, None, 0.0, False, None, False, False, forward_op, backward_op, config
-    )
-    grads = with_globals(backward, funcol=collectives)(ctx, torch.zeros(shape))
-    return result, grads
+    result = forward(ctx, q, k, v, None, 0.0, False, None, False, False, forward_op, backward_op, config)
+    return result, backward(ctx, torch.zeros(shape))

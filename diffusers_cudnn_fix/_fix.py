@@ -21,7 +21,8 @@ State = Literal["broken", "ok", "absent", "unknown"]
 class Lookup(Protocol):
     """An attribute of diffusers' attention module (``"Class.attr"`` too) as the check should see it: the
     shipped object, or the replacement being verified; None if missing. The registry's lookups also carry
-    ``shipped(name)``, what diffusers shipped (:func:`shipped_of` reads it)."""
+    ``shipped(name)``, what diffusers shipped (:func:`shipped_of` reads it), and ``built(name, around, **seams)``
+    (:func:`built_of` calls it)."""
 
     def __call__(self, name: str, /) -> Any: ...
 
@@ -29,6 +30,17 @@ class Lookup(Protocol):
 def shipped_of(lookup: Lookup, name: str) -> Any:
     """What diffusers shipped at ``name``, for a check that must run diffusers' own code under a replacement."""
     return getattr(lookup, "shipped", lookup)(name)
+
+
+def built_of(lookup: Lookup, name: str, around: Any, **seams: Any) -> Any:
+    """What a check runs at ``name`` with its own collaborators: ``around`` in place of diffusers' function there (a
+    copy of it with stand-in collectives, or a stand-in that stops the call) and ``seams`` (collaborators a
+    replacement's builder takes: the collectives, the ops it drives). Where ``lookup`` shows diffusers' own code
+    there, that is ``around`` itself; where it shows a replacement, the same replacement built again by its builder
+    from these collaborators (the registry's ``built``). A lookup without ``built`` (a plain function) can only show
+    diffusers' own code: ``around``."""
+    rebuild = getattr(lookup, "built", None)
+    return around if rebuild is None else rebuild(name, around, **seams)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
 import threading
 from dataclasses import dataclass, field, replace
@@ -146,25 +147,70 @@ def callable_of(obj: Any) -> Any:
 
 @dataclass
 class Objects:
-    """A check's view of diffusers' module: ``candidates`` (replacements being verified) where given, else what
-    diffusers shipped; ``shipped(name)`` always what diffusers shipped."""
+    """A check's view of diffusers' module: ``candidates`` (replacements being verified, built by ``targets.build``
+    for the ``broken`` fixes) where given, else what diffusers shipped; ``shipped(name)`` what diffusers shipped
+    (or, in a view made by :meth:`built`, the check's stand-in for it: ``standing_in``)."""
 
     module: ModuleType
     candidates: dict[str, Any] = field(default_factory=dict)
+    broken: frozenset[str] = frozenset()
+    standing_in: dict[str, Any] = field(default_factory=dict)
+    facts: Any = None  # targets.Facts of the build being verified: read off diffusers' code, not a check's stand-ins
+    siblings: dict[str, Any] | None = None  # what was built with the candidates (default: the candidates)
 
     def shipped(self, name: str) -> Any:
+        if name in self.standing_in:
+            return self.standing_in[name]
         kept = _state.originals if _state.module is self.module else {}
         return callable_of(kept[name] if name in kept else raw_get(self.module, name))
 
     def __call__(self, name: str) -> Any:
         return callable_of(self.candidates[name]) if name in self.candidates else self.shipped(name)
 
+    def built(self, name: str, around: Any, /, **seams: Any) -> Any:
+        """``name`` as a check runs it with its own collaborators (``_fix.built_of``): diffusers' own code is
+        ``around``; a replacement is built again, by the same builder, around ``around`` with ``seams``."""
+        if name not in self.candidates:
+            return around
+        from .targets import build
+
+        view = Objects(self.module, standing_in={**self.standing_in, name: _signed_as(around, self.shipped(name))})
+        built_with = self.candidates if self.siblings is None else self.siblings
+        siblings = {target: new for target, new in built_with.items() if target != name}
+        rebuilt = build(view, self.broken, facts=self.facts, diffusers=self.module, siblings=siblings, **seams)
+        return callable_of(rebuilt.get(name))
+
+
+def _signed_as(stand_in: Any, shipped: Any) -> Any:
+    """``stand_in`` taking the place of diffusers' ``shipped`` in a rebuild, with ``shipped``'s signature: the
+    builders read facts off the function they wrap (how many inputs a forward takes), not off a check's stand-in."""
+    try:
+        signature = inspect.signature(shipped)
+    except (TypeError, ValueError):
+        return stand_in
+
+    def standing_in(*args: Any, **kwargs: Any) -> Any:
+        return stand_in(*args, **kwargs)
+
+    standing_in.__signature__ = signature  # type: ignore[attr-defined]
+    return standing_in
+
 
 def check_live(module: ModuleType) -> dict[str, Finding]:
     """Every fix's check on the objects installed now (the doctor's "after patching" view)."""
     with _state.lock:
+        return {fix.id: check_of(fix)(live_objects(module)) for fix in _fixes()}
+
+
+def live_objects(module: ModuleType) -> Objects:
+    """The objects installed in ``module`` now, as a check sees them (the replacements rebuilt on demand)."""
+    from .targets import Facts
+
+    with _state.lock:
         installed = {t: raw_get(module, t) for t in _state.installed}
-        return {fix.id: check_of(fix)(Objects(module, installed)) for fix in _fixes()}
+        broken = frozenset(i for ids in _state.policies.values() for i in ids)
+        # A rebuild is handed what apply() built with the replacement, even where someone replaced one since.
+        return Objects(module, installed, broken, facts=Facts(Objects(module)), siblings=dict(_state.installed))
 
 
 def check_shipped(module: ModuleType) -> dict[str, Finding]:
@@ -281,16 +327,17 @@ def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> None:
 def _build(module: ModuleType, wanted: set[str]) -> tuple[dict[str, Any], dict[str, str]]:
     """The replacements for the ``wanted`` fixes, every one of which passes its own check on them; the fixes left
     out, with why."""
-    from .targets import build
+    from .targets import Facts, build
 
     wanted, failed = set(wanted), {}
+    facts = Facts(Objects(module))  # read off diffusers' code once, for every build and rebuild below
     while True:
         try:
-            built = build(Objects(module), frozenset(wanted)) if wanted else {}
+            built = build(Objects(module), frozenset(wanted), facts=facts, diffusers=module) if wanted else {}
         except Exception as exc:  # noqa: BLE001 - a failing build leaves diffusers as shipped
             built = {}
             failed.update(dict.fromkeys(wanted, f"building the replacements failed: {type(exc).__name__}: {exc}"))
-        candidates = Objects(module, built)
+        candidates = Objects(module, built, frozenset(wanted), facts=facts)
         verified = {f.id: check_of(f)(candidates) for f in _fixes() if f.id in wanted and f.id not in failed}
         failed.update({fix_id: found.detail for fix_id, found in verified.items() if found.state != "ok"})
         if not wanted & failed.keys():

@@ -1,50 +1,81 @@
-"""The one test-side table of fix ids: which releases carry each bug, written out by hand from
-docs/kernel-facts.md and upstream's release notes (the package's own table, ``fixes/__init__.py``, is checked
-against it, never read to build it). A new fix adds one line here (docs/adding-a-fix.md)."""
+"""The test-side table of fix ids, collected from the fixes' own test files. Each ``tests/fixes/test_<id>.py``
+declares at module level, written out by hand from docs/kernel-facts.md and upstream's release notes:
+``CARRIES``, the releases that carry the bug (and so get the fix applied), and ``CORRECTION``, True for a
+correction, False for a guard. The package's own table, ``fixes/__init__.py``, is checked against them, never read
+to build them. The files are read with ``ast``, not imported: only those two expressions are evaluated, with
+nothing in scope but ``WITH_OPS``, ``RELEASES`` and ``frozenset``; a file that lacks one or uses anything else fails
+the import of this module, naming the file. The fix ids are the files' stems, sorted."""
 
 from __future__ import annotations
 
-from releases import RELEASES
+import ast
+from pathlib import Path
 
-_WITH_OPS = frozenset(RELEASES) - {"0.35.2"}
+from releases import RELEASES, WITH_OPS
 
+ROOT = Path(__file__).resolve().parents[1]
+FIX_TESTS = ROOT / "tests" / "fixes"
+#: The names each fix's test file declares, and what its expressions may use.
+DECLARED = ("CARRIES", "CORRECTION")
+SCOPE = {"WITH_OPS": WITH_OPS, "RELEASES": RELEASES, "frozenset": frozenset}
+
+
+def declarations(path: Path) -> dict[str, object]:
+    """``{"CARRIES": frozenset, "CORRECTION": bool}`` as ``path`` declares them; a ``ValueError`` naming the file
+    where one is missing, assigned twice, or not what it should be."""
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    found: dict[str, ast.expr] = {}
+    for node in ast.parse(path.read_text(), filename=str(path)).body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        for target in targets:
+            if isinstance(target, ast.Name) and target.id in DECLARED:
+                if target.id in found or isinstance(node, ast.AugAssign):
+                    raise ValueError(f"{where}: {target.id} is assigned more than once; declare it once")
+                found[target.id] = value
+    missing = [name for name in DECLARED if name not in found]
+    if missing:
+        raise ValueError(
+            f"{where} declares no {' and no '.join(missing)} at module level: a fix's test file says which releases "
+            "carry its bug (CARRIES = a frozenset of releases) and whether it is a correction (CORRECTION = True) "
+            "or a guard (False); docs/adding-a-fix.md"
+        )
+    values = {name: _evaluate(where, name, expr) for name, expr in found.items()}
+    carries, correction = values["CARRIES"], values["CORRECTION"]
+    if not isinstance(carries, frozenset) or not carries <= set(RELEASES):
+        raise ValueError(f"{where}: CARRIES is {carries!r}, not a frozenset of releases.RELEASES")
+    if not isinstance(correction, bool):
+        raise ValueError(f"{where}: CORRECTION is {correction!r}, not True or False")
+    return values
+
+
+def _evaluate(where: Path, name: str, expr: ast.expr) -> object:
+    """One declared expression, with nothing but ``SCOPE`` in reach (no builtins, attributes or other calls)."""
+    allowed = (ast.Constant, ast.Set, ast.Tuple, ast.List, ast.Name, ast.Load, ast.BinOp, ast.operator, ast.Call)
+    for node in ast.walk(expr):
+        if not isinstance(node, allowed):
+            raise ValueError(f"{where}: {name} uses {type(node).__name__}; only {', '.join(SCOPE)} and literals")
+        if isinstance(node, ast.Name) and node.id not in SCOPE:
+            raise ValueError(f"{where}: {name} uses {node.id}; only {', '.join(SCOPE)} and literals")
+        if isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id == "frozenset"):
+            raise ValueError(f"{where}: {name} calls something other than frozenset")
+    return eval(compile(ast.Expression(expr), str(where), "eval"), {"__builtins__": {}}, dict(SCOPE))
+
+
+def _collect() -> dict[str, dict[str, object]]:
+    """Fix id -> its test file's declarations, for every ``tests/fixes/test_<id>.py``, sorted by id."""
+    return {path.stem.removeprefix("test_"): declarations(path) for path in sorted(FIX_TESTS.glob("test_*.py"))}
+
+
+_DECLARED = _collect()
 #: fix id -> the releases that carry the bug (and so get the fix applied).
-CARRIES: dict[str, frozenset[str]] = {
-    # Gradient corrections (the package's reason to exist).
-    "cudnn_forward_lse": frozenset({"0.36.0", "0.37.0", "0.37.1", "0.38.0", "0.39.0"}),
-    "cudnn_backward_kv": frozenset({"0.36.0", "0.37.0", "0.37.1", "0.38.0", "0.39.0"}),
-    "flash_backward_kv": frozenset({"0.37.0", "0.37.1", "0.38.0", "0.39.0"}),
-    "ulysses_grad_count": frozenset({"0.36.0"}),
-    # 0.36.0-0.39.0: every ring step reuses the first step's tensors; 0.40.0 on: the K/V gradients go the wrong
-    # way round the ring from degree 3.
-    "ring_grad_route": _WITH_OPS,
-    "qwen_joint_mask_order": frozenset({"0.36.0", "0.37.0", "0.37.1", "0.38.0"}),
-    # Guards.
-    "cudnn_bool_mask": _WITH_OPS,
-    "cudnn_input_dtypes": _WITH_OPS,
-    "cudnn_masked_row_grads": _WITH_OPS,
-    "ulysses_mask_grad": _WITH_OPS,
-    "flash_input_alignment": _WITH_OPS - {"0.36.0"},
-    # 0.36.0's _native_flash backend takes _parallel_config and never reads it (0.37.0 routes it through the
-    # templated context-parallel path; 0.35.2 has no context parallelism).
-    "flash_cp_ignored": frozenset({"0.36.0"}),
-    # diffusers' Ulysses class (0.36.0 on, the same code in its forward's head handling and its backward): a per-head
-    # mask reaches the op with every head; dK / dV are reshaped with the queries' length (issue #42's LTX findings).
-    "ulysses_head_mask": _WITH_OPS,
-    "ulysses_kv_length": _WITH_OPS,
-    # diffusers' all-gather backward keeps this rank's chunk of a gradient it assumes equal on every rank (every
-    # release with context parallelism); a plan that gathers inside the model (Helios) trains wrong with it.
-    "cp_gather_grads": _WITH_OPS,
-    # LTX2 (0.37.0 on): its plan splits rope but not cross_attn_rope and leaves the audio stream unsharded.
-    "ltx2_cp_plan": _WITH_OPS - {"0.36.0"},
-    # diffusers' split hook calls logger.warning_once (every release with context parallelism), which its logger has
-    # only once transformers is imported (not installed in the test environment).
-    "cp_split_warning_once": _WITH_OPS,
-}
-CORRECTIONS = ("cudnn_forward_lse", "cudnn_backward_kv", "flash_backward_kv", "ulysses_grad_count")
-CORRECTIONS += ("ring_grad_route", "qwen_joint_mask_order", "ulysses_head_mask", "ulysses_kv_length")
-CORRECTIONS += ("ltx2_cp_plan", "cp_split_warning_once")
-GUARDS = tuple(i for i in CARRIES if i not in CORRECTIONS)
+CARRIES: dict[str, frozenset[str]] = {fix: facts["CARRIES"] for fix, facts in _DECLARED.items()}
+CORRECTIONS = tuple(fix for fix, facts in _DECLARED.items() if facts["CORRECTION"])
+GUARDS = tuple(fix for fix in CARRIES if fix not in CORRECTIONS)
 FIX_IDS = tuple(CARRIES)
 
 

@@ -19,6 +19,7 @@ package, torch) stays the script's own.
 
 from __future__ import annotations
 
+import sys
 import types
 from typing import Any, Literal
 
@@ -232,8 +233,8 @@ def ulysses_threads(
     """Ulysses attention of ``collectives.world`` ranks in one process, a thread per rank: rank r calls ``forward``
     on ``inputs[r]`` (its q, k, v and mask) and then ``backward`` on ``grad_outs[r]``, with a context of its own
     (autograd would run the ranks' backwards one after the other, the first waiting for the others). ``forward``
-    and ``backward`` must see ``collectives`` in place of diffusers' (``_detect.with_stand_ins`` builds such
-    copies). Returns, per rank, (out, dq, dk, dv), or the exception it raised."""
+    and ``backward`` must see ``collectives`` in place of diffusers' (:func:`seeing` builds them). Returns, per
+    rank, (out, dq, dk, dv), or the exception it raised."""
     import threading
 
     import torch
@@ -295,26 +296,26 @@ def sdpa_ops() -> tuple[Any, Any]:
     return forward_op, backward_op
 
 
-def seeing(fn: Any, overrides: dict[str, Any]) -> Any:
-    """A copy of ``fn`` that sees ``overrides`` in place of diffusers' module globals: diffusers' own function is
-    copied with them; a replacement built around one (held in its closure: the package's) is rebuilt around such
-    a copy of it. ``fn`` itself is untouched."""
-    if fn.__globals__.get("__name__", "").startswith("diffusers."):
-        globals_ = {**fn.__globals__, **overrides}
-        copy = types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, fn.__closure__)
-        copy.__kwdefaults__ = fn.__kwdefaults__
+def seeing(module: Any, target: str, overrides: dict[str, Any], **seams: Any) -> Any:
+    """What is installed at ``target`` of diffusers' attention ``module`` (``"Class.attr"``), seeing ``overrides``
+    in place of diffusers' module globals: diffusers' own function as a copy with them; the package's replacement
+    built again by the package (the same builder, as its checks do) around such a copy of diffusers' function, with
+    the collaborators ``seams`` (the ring's ``collectives``, the Ulysses backward's ``all_to_all``). Nothing
+    installed is touched; without the package imported, nothing of it is imported here."""
+    cls, _, attr = target.partition(".")
+    installed = getattr(getattr(module, cls), attr)
+    package = sys.modules.get("diffusers_cudnn_fix")
+    ours = package is not None and package.is_patched(target)
+    shipped = package.get_original(target).__func__ if ours else installed
+    globals_ = {**shipped.__globals__, **overrides}
+    copy = types.FunctionType(shipped.__code__, globals_, shipped.__name__, shipped.__defaults__, shipped.__closure__)
+    copy.__kwdefaults__ = shipped.__kwdefaults__
+    if not ours:
         return copy
-    cells = []
-    for cell in fn.__closure__ or ():
-        try:
-            content = cell.cell_contents
-        except ValueError:  # an empty cell
-            content = None
-        wraps_diffusers = isinstance(content, types.FunctionType) and content.__globals__.get(
-            "__name__", ""
-        ).startswith("diffusers.")
-        cells.append(types.CellType(seeing(content, overrides)) if wraps_diffusers else cell)
-    return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(cells))
+    from diffusers_cudnn_fix._fix import built_of
+    from diffusers_cudnn_fix._registry import live_objects
+
+    return built_of(live_objects(module), target, copy, **seams)
 
 
 #: Relative error (max |x - ref| / max |ref|) allowed by :func:`ulysses_against_reference`: fp32 on both sides, so
@@ -356,8 +357,11 @@ def ulysses_against_reference(
 
     inputs = [(shard(q, seq_q, r), shard(k, seq_kv, r), shard(v, seq_kv, r), rank_mask(r)) for r in range(world)]
     collectives = ThreadedUlysses(world)
-    cls = module.TemplatedUlyssesAttention
-    forward, backward = (seeing(fn, collectives.overrides) for fn in (cls.forward, cls.backward))
+    seams = {"all_to_all": collectives.all_to_all_single}
+    forward, backward = (
+        seeing(module, f"TemplatedUlyssesAttention.{name}", collectives.overrides, **seams)
+        for name in ("forward", "backward")
+    )
     forward_op, backward_op = sdpa_ops()
     results = ulysses_threads(
         forward, backward, collectives, inputs, [shard(grad_out, seq_q, r) for r in range(world)],

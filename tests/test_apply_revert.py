@@ -145,7 +145,7 @@ def test_a_build_that_raises_leaves_diffusers_as_shipped_and_says_so(
 
     shipped = _shipped(dispatch_module)
 
-    def build(shipped: object, broken: frozenset[str]) -> dict[str, object]:
+    def build(shipped: object, broken: frozenset[str], **collaborators: object) -> dict[str, object]:
         raise RuntimeError("a builder's bug")
 
     monkeypatch.setattr(diffusers_cudnn_fix.targets, "build", build)

@@ -8,9 +8,9 @@ shard of q, k and v; the outputs and gradients of all ranks, put together, are c
 over the whole sequence computed eagerly. Each rank calls the forward and then the backward itself, with a
 stand-in autograd context (``Context``: autograd would run the CUDA backwards of all the ranks on its one
 device thread, one after the other, and the first would wait forever for the others' collectives). The
-functions themselves are not touched: they run as copies that see the stand-in collectives in place of the
-module's ``funcol`` (``with_funcol``; the package is not imported here, so that runs without it stay
-without it).
+functions themselves are not touched: diffusers' run as copies that see the stand-in collectives in place of the
+module's ``funcol`` (``with_funcol``); the package's, where it replaced the ring, are built again by the package
+with them (``harness.seeing``; the package is not imported here, so that runs without it stay without it).
 
 A mask over the whole sequence (``mask``) reaches each rank as a model hands it over (``mask_layout``): whole
 (``"global"``: every rank holds every row and column, as QwenImage's joint mask up to 0.38.0), or the rank's own
@@ -31,6 +31,7 @@ import types
 from typing import Any
 
 import torch
+from harness import seeing
 
 #: Per rank: B=2, 4 tokens, 2 heads of 8 (the 4-token shard and 2 heads differ: a swapped pair of dims shows).
 BATCH, SEQ_PER_RANK, HEADS, HEAD_DIM = 2, 4, 2, 8
@@ -82,6 +83,10 @@ class ThreadRing:
         """``src_dst[m] == n``: rank m sends to rank n (torch's contract)."""
         got = self._exchange(group.rank, tensor)
         return got[src_dst.index(group.rank)].clone()
+
+
+#: The class whose forward and backward run here.
+RING = "TemplatedRingAttention"
 
 
 def with_funcol(fn: Any, collectives: Any) -> Any:
@@ -165,10 +170,13 @@ def run(
         masked.append(op_mask is not None)  # list.append: safe from the ranks' threads
         return inner_op(ctx, query, key, value, op_mask, *args, **kwargs)
 
-    cls = module.TemplatedRingAttention
     ring = ThreadRing(world)
-    forward = with_funcol(ring_forward or cls.forward, ring)
-    backward = with_funcol(ring_backward or cls.backward, ring)
+    forward, backward = (
+        with_funcol(given, ring)
+        if given is not None
+        else seeing(module, f"{RING}.{name}", {"funcol": ring}, collectives=ring)
+        for given, name in ((ring_forward, "forward"), (ring_backward, "backward"))
+    )
     gen = torch.Generator().manual_seed(seed)
     batch, per_rank, heads, head_dim = shape
     q, k, v, grad_out = (

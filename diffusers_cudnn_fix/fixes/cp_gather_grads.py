@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from .. import _ledger
-from .._detect import rebuilt_around, spreads, with_globals
-from .._fix import Finding, Lookup, shipped_of
+from .._detect import spreads, with_globals
+from .._fix import Finding, Lookup, built_of
 from .._warnings import UnsafeAttentionError, explain
 from . import ENABLE_PARALLELISM
 
@@ -163,16 +163,14 @@ class _StandInPlan:
         self.__dict__.update(fields)
 
 
-def _refuses(enable: Any, shipped: Any) -> bool | str:
-    """Whether the ``enable_parallelism`` a model gets (``enable``, or diffusers' ``shipped``) refuses the backward
-    of a stand-in model whose plan gathers inside it (run in one process, diffusers' own stood in) while its
-    inference runs; a text where it cannot be run. diffusers' own applies the plan as it is: False."""
-    if enable is shipped:
-        return False
+def _refuses(lookup: Lookup) -> bool | str:
+    """Whether the ``enable_parallelism`` a model gets (as ``lookup`` shows it) refuses the backward of a stand-in
+    model whose plan gathers inside it (run in one process, diffusers' own stood in) while its inference runs; a
+    text where it cannot be run. diffusers' own applies the plan as it is: False."""
     called: list[Any] = []
-    run = rebuilt_around(enable, shipped, lambda self, *args, **kwargs: called.append(kwargs))
+    run = built_of(lookup, ENABLE_PARALLELISM, lambda self, *args, **kwargs: called.append(kwargs))
     if run is None:
-        return "it is neither diffusers' enable_parallelism nor built around it"
+        return "the replacement could not be built around a stand-in"
     split = {"x": _StandInPlan(split_dim=1, split_output=False)}
     plan = {"blocks.*.attn": split, "blocks.0.attn": _StandInPlan(gather_dim=1)}
     model = torch.nn.Linear(2, 2)
@@ -207,7 +205,7 @@ def check(lookup: Lookup) -> Finding:
     if enable is None:  # diffusers' ModelMixin not imported yet: checked again once it is (the hook watches it)
         return Finding("broken", f"{GATHER}.backward keeps this rank's chunk of a gradient it assumes equal on every "
                        "rank; ModelMixin.enable_parallelism is not imported yet")  # fmt: skip
-    refuses = _refuses(enable, shipped_of(lookup, ENABLE_PARALLELISM))
+    refuses = _refuses(lookup)
     if isinstance(refuses, str):
         return Finding("unknown", f"ModelMixin.enable_parallelism could not be run in one process ({refuses})")
     if refuses:

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from .. import _ledger
-from .._detect import rebuilt_around, with_globals
-from .._fix import Finding, Lookup, shipped_of
+from .._detect import with_globals
+from .._fix import Finding, Lookup, built_of
 from . import ENABLE_PARALLELISM
 
 #: The record's id (the module is named after it: the registry finds the check so), for the policy's mark.
@@ -147,12 +147,10 @@ def _reaches_missing(prepare: Any, logger: Any) -> bool | str:
     return False if out is x else f"it returned {out!r} for an input it should leave unsplit"
 
 
-def _lends(enable: Any, shipped: Any, prepare: Any, logger: Any) -> bool | str:
-    """Whether the ``enable_parallelism`` a model gets (``enable``, or diffusers' ``shipped``), run in one process on a
-    stand-in model whose split hook warns through ``logger`` (diffusers' own stood in by one that puts that hook on
-    the model), leaves that hook warning instead of raising; a text where it cannot be run."""
-    if enable is shipped:
-        return False
+def _lends(lookup: Lookup, prepare: Any, logger: Any) -> bool | str:
+    """Whether the ``enable_parallelism`` a model gets (as ``lookup`` shows it), run in one process on a stand-in model
+    whose split hook warns through ``logger`` (diffusers' own stood in by one that puts that hook on the model),
+    leaves that hook warning instead of raising; a text where it cannot be run."""
 
     class _Hook:  # the split hook as diffusers registers it, its method warning through the stand-in logger
         pass
@@ -163,9 +161,9 @@ def _lends(enable: Any, shipped: Any, prepare: Any, logger: Any) -> bool | str:
     def register(self: Any, *args: Any, **kwargs: Any) -> None:
         self._diffusers_hook = types.SimpleNamespace(hooks={"cp_input": _Hook()})
 
-    run = rebuilt_around(enable, shipped, register)
+    run = built_of(lookup, ENABLE_PARALLELISM, register)
     if run is None:
-        return "it is neither diffusers' enable_parallelism nor built around it"
+        return "the replacement could not be built around a stand-in"
     config = types.SimpleNamespace(context_parallel_config=types.SimpleNamespace(ulysses_degree=2, ring_degree=1))
     try:
         run(model, config=config)
@@ -200,7 +198,7 @@ def check(lookup: Lookup) -> Finding:
               "imported): an input of other dims than the plan's raises AttributeError")  # fmt: skip
     if enable is None:  # diffusers' ModelMixin not imported yet: checked again once it is (the hook watches it)
         return Finding("broken", f"{broken}; ModelMixin.enable_parallelism is not imported yet")
-    lends = _lends(enable, shipped_of(lookup, ENABLE_PARALLELISM), prepare, _StandInLogger())
+    lends = _lends(lookup, prepare, _StandInLogger())
     if isinstance(lends, str):
         return Finding("unknown", f"ModelMixin.enable_parallelism could not be run in one process ({lends})")
     if lends:

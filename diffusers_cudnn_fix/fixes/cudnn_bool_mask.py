@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .. import _detect, _ledger, _switches, _warnings
-from .._fix import Finding, Lookup, shipped_of
+from .._fix import Finding, Lookup
 from .._key_padding import remembered
 from .._warnings import MaskConvertedWarning, MaskMisreadWarning, UnsafeAttentionError, explain
 from . import CUDNN_BACKWARD, CUDNN_FORWARD, ULYSSES_ANYTHING_FORWARD, ULYSSES_FORWARD
@@ -146,7 +146,7 @@ def check(lookup: Lookup) -> Finding:
                 continue
             call = dict(degree=2, forward_op=forward, shape=shape, dtype=torch.bfloat16, ring_degree=1,
                         ulysses_anything=target == ULYSSES_ANYTHING_FORWARD)  # fmt: skip
-            gathered = entering = _detect.mask_entering(ulysses, shipped_of(lookup, target), mask, **call)
+            gathered = entering = _detect.mask_entering(lookup, target, mask, **call)
             if isinstance(entering, str):
                 return Finding("unknown", f"{name}'s forward could not be run in one process ({entering})")
             # A bool mask may still enter a diffusers that converts it itself before its all-gather (the upstream
@@ -156,9 +156,7 @@ def check(lookup: Lookup) -> Finding:
             if entering.dtype != torch.bfloat16:
                 stand_ins = {**stand_ins, CUDNN_FORWARD: forward}
                 call["degree"] = 1
-                reached = _detect.op_reached(
-                    ulysses, shipped_of(lookup, target), mask, stand_ins=stand_ins, gather=True, **call
-                )
+                reached = _detect.op_reached(lookup, target, mask, stand_ins=stand_ins, gather=True, **call)
                 gathered = reached if isinstance(reached, str) else reached.mask
             additive = torch.zeros_like(mask, dtype=torch.bfloat16)
             if not (isinstance(gathered, torch.Tensor) and torch.equal(gathered, additive)):

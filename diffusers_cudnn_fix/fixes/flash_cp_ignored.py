@@ -16,7 +16,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import _detect, _ledger
-from .._fix import Finding, Lookup, shipped_of
+from .._fix import Finding, Lookup
 from .._target_names import TEMPLATED_ATTENTION
 from .._warnings import UnsafeAttentionError, explain
 from . import FLASH_BACKEND
@@ -78,11 +78,13 @@ def backend_call(fn: Any, **changes: Any) -> dict[str, Any] | None:
     return {name: value for name, value in call.items() if name in params}
 
 
-def outcome(fn: Any, shipped: Any, call: dict[str, Any]) -> str:
-    """Where a call of the backend ``fn`` (diffusers' function ``shipped``, or a replacement calling it as its
-    keyword ``_shipped``) goes: ``"parallel"`` (diffusers' templated context-parallel path), ``"local"``
-    (attention computed directly), ``"refused"`` (the package's refusal), else the error it raised."""
-    run = _detect.with_stand_ins(fn, shipped, **{TEMPLATED_ATTENTION: _reach_templated})
+def outcome(lookup: Lookup, call: dict[str, Any]) -> str:
+    """Where a call of the backend ``lookup`` shows (diffusers' own, or the package's replacement built around it)
+    goes: ``"parallel"`` (diffusers' templated context-parallel path), ``"local"`` (attention computed directly),
+    ``"refused"`` (the package's refusal), else the error it raised."""
+    run = _detect.with_stand_ins(lookup, FLASH_BACKEND, {TEMPLATED_ATTENTION: _reach_templated})
+    if isinstance(run, str):
+        return run
     try:
         with torch.no_grad(), _StopAttention():
             run(**call)
@@ -101,7 +103,7 @@ def refuses_return_lse(shipped: Any) -> bool:
     """Whether diffusers' backend raises its own error for ``return_lse=True`` (0.36.0: "does not support
     setting `return_lse=True`"), before any attention: the guard then leaves such calls to that error."""
     call = backend_call(shipped, return_lse=True, _parallel_config=None)
-    return call is not None and outcome(shipped, shipped, call) not in ("parallel", "local", "refused")
+    return call is not None and outcome(lambda name: shipped, call) not in ("parallel", "local", "refused")
 
 
 def check(lookup: Lookup) -> Finding:
@@ -111,7 +113,7 @@ def check(lookup: Lookup) -> Finding:
     call = backend_call(backend)
     if call is None:
         return Finding("absent", "the _native_flash backend takes no parallel config (no context parallelism)")
-    went = outcome(backend, shipped_of(lookup, FLASH_BACKEND), call)
+    went = outcome(lookup, call)
     if went == "parallel":
         return Finding("ok", "under context parallelism the _native_flash backend runs the templated path")
     if went == "refused":

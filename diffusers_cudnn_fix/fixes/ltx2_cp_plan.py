@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from .. import _ledger
-from .._detect import rebuilt_around, spreads
-from .._fix import Finding, Lookup, shipped_of
+from .._detect import spreads
+from .._fix import Finding, Lookup, built_of
 from .._warnings import UnsafeAttentionError, explain
 from . import ENABLE_PARALLELISM
 
@@ -204,17 +204,15 @@ def _stand_in_plan() -> dict[str, Any]:
     return {"": {**tokens, "encoder_attention_mask": _StandInInput(1, 2)}, "rope": rope, "proj_out": _StandInOutput(1)}
 
 
-def _plan_handed(enable: Any, shipped: Any) -> Any:
-    """The plan the ``enable_parallelism`` a model gets (``enable``, built around diffusers' ``shipped``) hands
-    diffusers' own for a stand-in LTX2 whose plan is LTX2's own, over two ranks (run in one process, diffusers' own
-    stood in); a text where it cannot be run."""
+def _plan_handed(lookup: Lookup) -> Any:
+    """The plan the ``enable_parallelism`` a model gets (as ``lookup`` shows it) hands diffusers' own for a stand-in
+    LTX2 whose plan is LTX2's own, over two ranks (run in one process, diffusers' own stood in: where it is what the
+    model gets, the plan it is given); a text where it cannot be run."""
     plan = _stand_in_plan()
-    if enable is shipped:
-        return plan  # diffusers' own applies the plan it is given
     handed: list[Any] = []
-    run = rebuilt_around(enable, shipped, lambda self, *args, **kwargs: handed.append(kwargs.get("cp_plan")))
+    run = built_of(lookup, ENABLE_PARALLELISM, lambda self, *args, **kwargs: handed.append(kwargs.get("cp_plan")))
     if run is None:
-        return "it is neither diffusers' enable_parallelism nor built around it"
+        return "the replacement could not be built around a stand-in"
     config = types.SimpleNamespace(context_parallel_config=types.SimpleNamespace(ulysses_degree=2, ring_degree=1))
     try:
         run(_StandInModel(), config=config, cp_plan=plan)
@@ -257,7 +255,7 @@ def check(lookup: Lookup) -> Finding:
     if enable is None:  # diffusers' ModelMixin not imported yet: checked again once it is (the hook watches it)
         return Finding("broken", "this diffusers ships LTX2, whose plan leaves cross_attn_rope and the audio stream "
                        "unsplit; ModelMixin.enable_parallelism is not imported yet")  # fmt: skip
-    handed = _plan_handed(enable, shipped_of(lookup, ENABLE_PARALLELISM))
+    handed = _plan_handed(lookup)
     if isinstance(handed, str):
         return Finding("unknown", f"ModelMixin.enable_parallelism could not be run in one process ({handed})")
     if isinstance(handed, UnsafeAttentionError):

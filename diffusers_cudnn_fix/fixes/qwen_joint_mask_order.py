@@ -13,14 +13,13 @@ from __future__ import annotations
 import contextvars
 import functools
 import sys
-import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from .. import _detect, _ledger
-from .._fix import Finding, Lookup, shipped_of
+from .._fix import Finding, Lookup
 from .._key_padding import remembered
 from .._target_names import QWEN_PROCESSOR, ULYSSES_ANYTHING_FORWARD, ULYSSES_FORWARD
 from .._warnings import UnsafeAttentionError, explain
@@ -236,14 +235,12 @@ def _from_qwen(run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return processor(lambda *_: run(*args, **kwargs))(None, None, None, torch.zeros(_BATCH, _TEXT_LOCAL, _DIM))
 
 
-def _shipped_gathers(shipped: Any, stand_ins: dict[str, Any] | None = None) -> bool | str:
-    """Whether diffusers' own forward (the innermost, run with stand-in collectives: ``stand_ins``, default
+def _shipped_gathers(lookup: Lookup, target: str, stand_ins: dict[str, Any] | None = None) -> bool | str:
+    """Whether diffusers' own forward at ``target`` (run with stand-in collectives: ``stand_ins``, default
     Ulysses') gathers a sequence-local mask before the op (False where it hands the op the very mask it got); a
     text if it cannot be run."""
-    if not isinstance(shipped, types.FunctionType):
-        return f"the innermost forward is a {type(shipped).__name__}, not a function"
     mask = _padded_local_mask()
-    reached = _detect.op_reached(shipped, shipped, mask, stand_ins=stand_ins, **_CALL)
+    reached = _detect.op_reached(lookup, target, mask, stand_ins=stand_ins, shipped=True, **_CALL)
     if isinstance(reached, str):
         return reached
     if reached.mask is mask:
@@ -255,8 +252,8 @@ def _shipped_gathers(shipped: Any, stand_ins: dict[str, Any] | None = None) -> b
 
 def _check_forward(lookup: Lookup, target: str, stand_ins: dict[str, Any] | None) -> Finding:
     """The check of one Ulysses forward (``target``: the plain class's or the ``anything`` class's)."""
-    forward, shipped, name = lookup(target), shipped_of(lookup, target), target.partition(".")[0]
-    gathers = _shipped_gathers(shipped, stand_ins)
+    name = target.partition(".")[0]
+    gathers = _shipped_gathers(lookup, target, stand_ins)
     if isinstance(gathers, str):
         return Finding("unknown", f"{name}'s forward could not be run in one process ({gathers})")
     if gathers:
@@ -264,7 +261,7 @@ def _check_forward(lookup: Lookup, target: str, stand_ins: dict[str, Any] | None
     # diffusers' forward hands the op the mask as it came: what reaches it from QwenImage's processor?
     mask, expected = _padded_global_mask()
     try:
-        entering = _from_qwen(_detect.mask_entering, forward, shipped, mask, passes=(UnsafeAttentionError,), **_CALL)
+        entering = _from_qwen(_detect.mask_entering, lookup, target, mask, passes=(UnsafeAttentionError,), **_CALL)
     except UnsafeAttentionError:
         return Finding("ok", f"QwenImage's joint mask, which {name} would hand on in another token order, is refused")
     if isinstance(entering, str):

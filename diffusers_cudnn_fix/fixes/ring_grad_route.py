@@ -18,7 +18,7 @@ import torch
 from .. import _detect, _switches
 from .._fix import Finding, Lookup
 from .._key_padding import remembered
-from .._target_names import CUDNN_BACKWARD, FLASH_BACKWARD
+from .._target_names import CUDNN_BACKWARD, FLASH_BACKWARD, RING_BACKWARD, RING_FORWARD
 from .._warnings import UnsafeAttentionError, explain
 
 FIX_ID = "ring_grad_route"
@@ -53,7 +53,7 @@ class StepOps:
     """The backward ops a corrected ring may drive, each mapped to whether it reads a ring step's tensors from
     ``ctx.saved_tensors`` (the package's corrected ops, 0.36-0.39) rather than from keywords (diffusers' own,
     0.40 on). The ring's builder is handed it (``targets/ring.py``); the check hands its stand-in op the same
-    way (:func:`_detect.rebuilt_with`)."""
+    way (a ``step_ops`` seam, ``_fix.built_of``)."""
 
     reads_saved: Mapping[Any, bool]
     #: The ops among them that read a ring step's attention mask from ``ctx.attn_mask`` (the cuDNN ones): a
@@ -74,6 +74,10 @@ def refusal(world: int, dropout_p: float, is_causal: bool, enable_gqa: bool) -> 
     if is_causal:
         return "is_causal (each ring step would apply a causal mask to a block of another rank's keys)"
     return None
+
+
+#: The ring's forward and backward, driven together by the check.
+RING = (RING_FORWARD, RING_BACKWARD)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -229,8 +233,10 @@ def _mean(x: torch.Tensor) -> float:
     return float(x.float().mean())
 
 
-def _drive(forward: Any, backward: Any, lse_ndim: int) -> tuple[dict[str, Any], str | None]:
-    """Run ``forward`` then ``backward`` as rank 0 of a ring of ``_WORLD`` ranks, in this process.
+def _drive(lookup: Lookup, lse_ndim: int) -> tuple[dict[str, Any], str | None]:
+    """Run the ring forward then backward ``lookup`` shows as rank 0 of a ring of ``_WORLD`` ranks, in this process
+    (diffusers' own as copies seeing stand-in collectives; the package's built again with them, driving the
+    stand-in backward op).
 
     Rank ``r``'s K/V are filled with ``r`` (each tensor is constant: its mean names it whatever its layout). The
     stand-in forward op saves kernel-layout tensors as the 0.36-0.39 ops do and returns a log-sum-exp of
@@ -260,12 +266,15 @@ def _drive(forward: Any, backward: Any, lse_ndim: int) -> tuple[dict[str, Any], 
         # The sender runs the same code on its own rank: its marks are ours shifted by its rank.
         return torch.roll(x.reshape(-1, _WORLD), shifts=senders[0], dims=1).reshape(x.shape)
 
+    collectives = _detect.ring_collectives(
+        gather=lambda x, gather_dim=0, group=None: torch.cat([x + r for r in range(_WORLD)]), permute=permute_tensor
+    )
+    seams = {"collectives": collectives, "step_ops": StepOps({backward_op: True})}
+    forward, backward = (_detect.with_stand_ins(lookup, n, {"funcol": collectives}, **seams) for n in RING)
+    if isinstance(forward, str) or isinstance(backward, str):
+        return seen, forward if isinstance(forward, str) else str(backward)
     try:
-        driving = _detect.rebuilt_with(backward, StepOps({backward_op: True}))
-        result, grads = _detect.run_ring(
-            forward, driving, step, backward_op, world=_WORLD, permute=permute_tensor, shape=(1, 2, 1, _WORLD),
-            gather=lambda x, gather_dim=0, group=None: torch.cat([x + r for r in range(_WORLD)]),
-        )  # fmt: skip
+        result, grads = _detect.run_ring(forward, backward, step, backward_op, world=_WORLD, shape=(1, 2, 1, _WORLD))
         seen["merged"] = _mean(result[0] if isinstance(result, tuple) else result)
         seen["grad_key"] = grads[1]
     except Exception as exc:  # noqa: BLE001 - an unknown build, or the package's refusal: the caller decides
@@ -273,13 +282,13 @@ def _drive(forward: Any, backward: Any, lse_ndim: int) -> tuple[dict[str, Any], 
     return seen, None
 
 
-def _run(forward: Any, backward: Any) -> tuple[dict[str, Any], str | None, str]:
+def _run(lookup: Lookup) -> tuple[dict[str, Any], str | None, str]:
     """:func:`_drive` with a 4-D log-sum-exp (the cuDNN op's from torch 2.9 on), else a 3-D one (the flash
     op's), and a note where only the 3-D one runs (0.36.0 and 0.37.x fail on one of the two)."""
-    seen, error = _drive(forward, backward, lse_ndim=4)
+    seen, error = _drive(lookup, lse_ndim=4)
     if error is None or seen["chunks"]:
         return seen, error, ""
-    return (*_drive(forward, backward, lse_ndim=3), f" (the forward also fails on a 4-D log-sum-exp: {error})")
+    return (*_drive(lookup, lse_ndim=3), f" (the forward also fails on a 4-D log-sum-exp: {error})")
 
 
 def _first_step_problem(seen: dict[str, Any], note: str) -> str | None:
@@ -297,7 +306,7 @@ def reuses_first_step(lookup: Lookup) -> bool:
     found = _detect.installed_ring(lookup)
     if isinstance(found, Finding):
         return False
-    seen, error, note = _run(*found)
+    seen, error, note = _run(lookup)
     return error is None and _first_step_problem(seen, note) is not None
 
 
@@ -305,7 +314,7 @@ def check(lookup: Lookup) -> Finding:
     found = _detect.installed_ring(lookup)
     if isinstance(found, Finding):
         return found
-    seen, error, note = _run(*found)
+    seen, error, note = _run(lookup)
     if error is not None or len(seen["chunks"]) != _WORLD:
         return Finding("unknown", f"the ring attention could not be run as one rank of {_WORLD} ({error or seen})")
     problem = _first_step_problem(seen, note)

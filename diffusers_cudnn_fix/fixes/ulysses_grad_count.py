@@ -23,7 +23,7 @@ def check(lookup: Lookup) -> Finding:
     inputs = _detect.input_count(shipped_of(lookup, ULYSSES_FORWARD))
     if inputs is None or getattr(backward, "__code__", None) is None:
         return Finding("unknown", "TemplatedUlyssesAttention's forward/backward are not plain functions")
-    grads, error = _detect.run_ulysses_backward(backward, shipped_of(lookup, ULYSSES_BACKWARD))
+    grads, error = _detect.run_ulysses_backward(lookup)
     if grads is None:
         return Finding("unknown", f"the Ulysses backward could not be run in one process ({error})")
     if len(grads) != inputs:

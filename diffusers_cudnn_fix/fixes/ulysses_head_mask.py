@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .. import _detect, _ledger
-from .._fix import Finding, Lookup, shipped_of
+from .._fix import Finding, Lookup
 from . import ULYSSES_FORWARD
 
 #: The record's id (the module is named after it: the registry finds the check so), for the policy's mark.
@@ -75,7 +75,7 @@ def check(lookup: Lookup) -> Finding:
     # Head h's mask is all h: the heads that reach the op can be read off it.
     mask = torch.arange(HEADS, dtype=torch.float32).view(1, HEADS, 1, 1).repeat(1, 1, 1, SEQ)
     reached = _detect.op_reached(
-        forward, shipped_of(lookup, ULYSSES_FORWARD), mask, degree=DEGREE, shape=(1, SEQ, HEADS, 8),
+        lookup, ULYSSES_FORWARD, mask, degree=DEGREE, shape=(1, SEQ, HEADS, 8),
         _ulysses_local_rank=RANK,
     )  # fmt: skip
     if isinstance(reached, str) or not isinstance(reached.mask, torch.Tensor) or reached.mask.ndim != 4:

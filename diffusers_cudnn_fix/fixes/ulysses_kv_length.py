@@ -58,8 +58,8 @@ def routed_back(ctx: Any, grad_out: torch.Tensor, all_to_all: Callable[..., Any]
     return tuple(_sequence_sharded(grad, degree, all_to_all, group) for grad in grads)
 
 
-def _round_trip(forward: Any, backward: Any, shipped_backward: Any, seq_kv: int) -> str | None:
-    """Run diffusers' Ulysses ``forward`` then ``backward`` (as installed) in one process, with stand-in collectives
+def _round_trip(lookup: Lookup, seq_kv: int) -> str | None:
+    """Run diffusers' Ulysses forward then the backward ``lookup`` shows in one process, with stand-in collectives
     (every all-to-all returns its input: the forward's layout change is then undone exactly by a right backward)
     and a stand-in op pair whose backward hands back the q, k and v the forward op got: the gradients must be the
     inputs again. None where they are; else what happened."""
@@ -77,13 +77,16 @@ def _round_trip(forward: Any, backward: Any, shipped_backward: Any, seq_kv: int)
         context_parallel_config=types.SimpleNamespace(_ulysses_mesh=_detect.FAKE_MESH, ulysses_degree=DEGREE)
     )
     ctx = types.SimpleNamespace()
-    identity = {ALL_TO_ALL: _detect.ULYSSES_STAND_INS[ALL_TO_ALL]}
-    run_backward = _detect.with_stand_ins(backward, shipped_backward, **identity)
+    run_forward = _detect.with_stand_ins(
+        lambda name: shipped_of(lookup, name), ULYSSES_FORWARD, _detect.ULYSSES_STAND_INS
+    )
+    identity = _detect.ULYSSES_STAND_INS[ALL_TO_ALL]
+    run_backward = _detect.with_stand_ins(lookup, ULYSSES_BACKWARD, {ALL_TO_ALL: identity}, all_to_all=identity)
+    if isinstance(run_forward, str) or isinstance(run_backward, str):
+        return f"cannot be run ({run_forward if isinstance(run_forward, str) else run_backward})"
     try:
         with torch.no_grad():  # as inside autograd.Function
-            _detect.with_stand_ins(forward, forward, **_detect.ULYSSES_STAND_INS)(
-                ctx, *inputs, None, 0.0, False, None, False, False, forward_op, backward_op, config
-            )
+            run_forward(ctx, *inputs, None, 0.0, False, None, False, False, forward_op, backward_op, config)
             grads = tuple(run_backward(ctx, torch.zeros_like(inputs[0])))[:3]
     except Exception as exc:  # noqa: BLE001 - the bug raises; anything else is told apart by the caller
         return f"raises {type(exc).__name__}: {exc}"
@@ -100,14 +103,15 @@ def check(lookup: Lookup) -> Finding:
     shipped = shipped_of(lookup, ULYSSES_BACKWARD)
     if forward is None or backward is None:
         return Finding("absent", "this diffusers has no TemplatedUlyssesAttention")
-    if not all(isinstance(fn, types.FunctionType) for fn in (forward, shipped)) or ALL_TO_ALL not in getattr(
-        shipped, "__globals__", {}
+    if (
+        not all(isinstance(fn, types.FunctionType) for fn in (forward, shipped))
+        or shipped_of(lookup, ALL_TO_ALL) is None
     ):
         return Finding("unknown", "TemplatedUlyssesAttention is not the one of any known release")
-    same = _round_trip(forward, backward, shipped, SEQ_Q)
+    same = _round_trip(lookup, SEQ_Q)
     if same is not None:
         return Finding("unknown", f"at equal query and key lengths the Ulysses backward {same}")
-    other = _round_trip(forward, backward, shipped, SEQ_KV)
+    other = _round_trip(lookup, SEQ_KV)
     if other is None:
         return Finding("ok", "the Ulysses backward routes dK/dV back with the keys' own length")
     return Finding("broken", f"with keys longer than the queries ({SEQ_KV} and {SEQ_Q} tokens a rank, Ulysses "

@@ -15,7 +15,7 @@ import types
 import torch
 
 from .. import _detect, _ledger
-from .._fix import Finding, Lookup, shipped_of
+from .._fix import Finding, Lookup
 from .._target_names import TEMPLATED_ATTENTION
 from .._warnings import UnsafeAttentionError, explain
 from . import ULYSSES_BACKWARD, ULYSSES_FORWARD
@@ -46,14 +46,14 @@ def check(lookup: Lookup) -> Finding:
     forward, backward = lookup(ULYSSES_FORWARD), lookup(ULYSSES_BACKWARD)
     if forward is None or backward is None:
         return Finding("absent", "this diffusers has no TemplatedUlyssesAttention")
-    grads, error = _detect.run_ulysses_backward(backward, shipped_of(lookup, ULYSSES_BACKWARD))
+    grads, error = _detect.run_ulysses_backward(lookup)
     if grads is None or len(grads) <= MASK_INPUT:
         return Finding("unknown", f"the Ulysses backward could not be run in one process ({error or len(grads or ())})")
     if grads[MASK_INPUT] is not None:
         return Finding("ok", "the Ulysses backward returns a gradient for the mask")
     # Does the forward (Ulysses degree 1, stand-in collectives) refuse a mask that requires grad?
     mask = torch.zeros(1, 1, 4, 4, requires_grad=True)
-    reached = _detect.op_reached(forward, shipped_of(lookup, ULYSSES_FORWARD), mask, degree=1)
+    reached = _detect.op_reached(lookup, ULYSSES_FORWARD, mask, degree=1)
     if isinstance(reached, str):
         if reached.startswith(UnsafeAttentionError.__name__):
             return Finding(

@@ -27,22 +27,22 @@ from ..fixes import (
     flash_input_alignment,
 )
 from ..fixes.flash_backward_kv import corrected_backward
-from ..fixes.flash_cp_ignored import refuse_context_parallel, refuses_return_lse
+from ..fixes.flash_cp_ignored import refuse_context_parallel
 
 #: ``enable_gqa``'s position among the forward op's arguments after q, k, v (mask, dropout, causal, scale, gqa).
 _GQA_AFTER_V = 4
 
 
-def build(shipped: Lookup, broken: frozenset[str], gqa_refused: Callable[[str], bool]) -> dict[str, Any]:
+def build(shipped: Lookup, broken: frozenset[str], gqa_refused: Callable[[str], bool], facts: Any) -> dict[str, Any]:
     """The flash replacements; ``gqa_refused(op)``: whether diffusers' op ``op`` raises its own error for
-    ``enable_gqa``."""
+    ``enable_gqa``; ``facts.flash_lse_refused``: whether its backend does for ``return_lse``."""
     built: dict[str, Any] = {}
     if flash_input_alignment.FIX_ID in broken:
         built[FLASH_FORWARD] = aligned_forward(shipped(FLASH_FORWARD), gqa_refused(FLASH_FORWARD))
     if flash_backward_kv.FIX_ID in broken:
         built[FLASH_BACKWARD] = corrected_backward
     if flash_cp_ignored.FIX_ID in broken:
-        built[FLASH_BACKEND] = guarded_backend(shipped(FLASH_BACKEND))
+        built[FLASH_BACKEND] = guarded_backend(shipped(FLASH_BACKEND), facts.flash_lse_refused)
     return built
 
 
@@ -65,12 +65,12 @@ def aligned_forward(shipped: Any, gqa_refused: bool) -> Any:
     return native_flash_attention_forward_op
 
 
-def guarded_backend(shipped: Any) -> Any:
+def guarded_backend(shipped: Any, lse_refused: bool) -> Any:
     """``shipped`` (diffusers' ``_native_flash`` backend function, which ignores its context-parallel config)
-    refusing a context-parallel call; its signature is the shipped function's."""
+    refusing a context-parallel call; its signature is the shipped function's. ``lse_refused``: whether ``shipped``
+    raises its own error for ``return_lse`` (such a call gets that error, not the guard's)."""
     params = list(inspect.signature(shipped).parameters)
     config_at, lse_at = params.index("_parallel_config"), params.index("return_lse")
-    lse_refused = refuses_return_lse(shipped)
 
     def native_flash_attention(*args: Any, **kwargs: Any) -> Any:
         config = kwargs["_parallel_config"] if "_parallel_config" in kwargs else None

@@ -42,6 +42,9 @@ if torch.distributed.is_available():
     from torch.distributed import _functional_collectives as funcol
 else:  # a torch without distributed support never reaches ring attention
     funcol = None  # type: ignore[assignment]
+#: The collectives the corrected ring calls (``all_gather_tensor``, ``permute_tensor``, ``AsyncCollectiveTensor``):
+#: torch's functional collectives, unless its builder is handed others (a check's stand-ins, a test's threads).
+COLLECTIVES: Any = funcol
 
 #: The inputs ``apply`` takes (every parameter but ``ctx``): the backward returns one gradient for each.
 INPUTS = len(RING_FORWARD_PARAMS) - 1
@@ -89,31 +92,44 @@ class _StepKept:
         pass
 
 
-def build(shipped: Lookup, broken: frozenset[str], ops: dict[str, Any]) -> dict[str, Any]:
-    """The corrected ring where ``ring_grad_route`` is broken, driving the backward ops it knows: the package's
-    (``ops``, built before it: the corrected ones read a step's saved tensors) and, 0.40 on, diffusers' own."""
+def build(
+    shipped: Lookup,
+    broken: frozenset[str],
+    ops: dict[str, Any],
+    facts: Any,
+    *,
+    collectives: Any = None,
+    step_ops: Any = None,
+) -> dict[str, Any]:
+    """The corrected ring where ``ring_grad_route`` is broken, calling ``collectives`` (default
+    :data:`COLLECTIVES`) and driving the backward ops of ``step_ops`` (default: those it knows: the package's,
+    ``ops``, built before it, the corrected ones reading a step's saved tensors, and 0.40 on diffusers' own)."""
     if ring_grad_route.FIX_ID not in broken:
         return {}
-    saved = ring_grad_route.reuses_first_step(shipped)
-    steps = {} if saved else {shipped(n): False for n in ring_grad_route.OPS if shipped(n) is not None}
-    if CUDNN_BACKWARD in ops:
-        steps[ops[CUDNN_BACKWARD]] = cudnn_backward_kv.FIX_ID in broken
-    if FLASH_BACKWARD in ops:
-        steps[ops[FLASH_BACKWARD]] = True  # built only where it corrects the K/V
-    # The ops that read a step's mask from ctx.attn_mask: diffusers' own cuDNN op (0.40 on) and the package's.
-    masked = {shipped(n) for n in ring_grad_route.MASK_OPS} | {ops.get(CUDNN_BACKWARD)}
-    backward = ring_backward(StepOps(steps, frozenset(op for op in masked if op in steps)), saved=saved)
-    return {RING_FORWARD: staticmethod(ring_attention_forward), RING_BACKWARD: staticmethod(backward)}
+    saved = facts.ring_reuses_first_step  # targets.Facts: read off diffusers' ring
+    if step_ops is None:
+        steps = {} if saved else {shipped(n): False for n in ring_grad_route.OPS if shipped(n) is not None}
+        if CUDNN_BACKWARD in ops:
+            steps[ops[CUDNN_BACKWARD]] = cudnn_backward_kv.FIX_ID in broken
+        if FLASH_BACKWARD in ops:
+            steps[ops[FLASH_BACKWARD]] = True  # built only where it corrects the K/V
+        # The ops that read a step's mask from ctx.attn_mask: diffusers' own cuDNN op (0.40 on) and the package's.
+        masked = {shipped(n) for n in ring_grad_route.MASK_OPS} | {ops.get(CUDNN_BACKWARD)}
+        step_ops = StepOps(steps, frozenset(op for op in masked if op in steps))
+    collectives = COLLECTIVES if collectives is None else collectives
+    forward = ring_forward(collectives)
+    backward = ring_backward(step_ops, saved=saved, collectives=collectives)
+    return {RING_FORWARD: staticmethod(forward), RING_BACKWARD: staticmethod(backward)}
 
 
-def ring_backward(steps: StepOps, *, saved: bool) -> Callable[..., tuple[torch.Tensor | None, ...]]:
+def ring_backward(steps: StepOps, *, saved: bool, collectives: Any) -> Callable[..., tuple[torch.Tensor | None, ...]]:
     """``TemplatedRingAttention.backward``'s replacement driving the ops of ``steps``: from their saved tensors
-    (``saved``, 0.36-0.39: :func:`saved_step_backward`) or their keywords (:func:`keyword_step_backward`)."""
+    (``saved``, 0.36-0.39: :func:`saved_step_backward`) or their keywords (:func:`keyword_step_backward`); the
+    K/V gradients passed round the ring through ``collectives``."""
     step_backward = saved_step_backward if saved else keyword_step_backward
 
     def ring_attention_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> tuple[torch.Tensor | None, ...]:
-        # ``funcol`` read here, in the replacement's own globals: the checks run a copy with stand-ins there.
-        return step_backward(ctx, grad_out, steps, funcol)
+        return step_backward(ctx, grad_out, steps, collectives)
 
     return ring_attention_backward
 
@@ -128,84 +144,89 @@ def _wait(tensor: torch.Tensor, collectives: Any) -> torch.Tensor:
     return tensor.wait() if isinstance(tensor, collectives.AsyncCollectiveTensor) else tensor
 
 
-def ring_attention_forward(
-    ctx: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    dropout_p: float,
-    is_causal: bool,
-    scale: float | None,
-    enable_gqa: bool,
-    return_lse: bool,
-    forward_op: Any,
-    backward_op: Any,
-    _parallel_config: Any = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Stands in for ``TemplatedRingAttention.forward``: the shipped computation, plus what the backward needs.
+def ring_forward(collectives: Any) -> Callable[..., Any]:
+    """``TemplatedRingAttention.forward``'s replacement, gathering K/V (and masks) through ``collectives``."""
 
-    Step ``i`` attends to the K/V of ring rank ``rank + i`` (with that chunk's mask columns); the steps are
-    merged through their log-sum-exps (docs/kernel-facts.md). Only the first step saves the op's autograd
-    context, as shipped; with a mask, the later steps' ops keep theirs in a :class:`_StepKept`, whose mask the
-    backward hands that step.
-    """
-    if _ledger.recording:
-        _ledger.reached(ring_grad_route.FIX_ID)
-    config = _parallel_config.context_parallel_config
-    group = config._ring_mesh.get_group()
-    rank, world = config._ring_local_rank, config.ring_degree
-    ctx.forward_op = forward_op
-    ctx.backward_op = backward_op
-    ctx.q_shape = query.shape
-    ctx.kv_shape = key.shape
-    ctx._parallel_config = _parallel_config
+    def ring_attention_forward(
+        ctx: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        dropout_p: float,
+        is_causal: bool,
+        scale: float | None,
+        enable_gqa: bool,
+        return_lse: bool,
+        forward_op: Any,
+        backward_op: Any,
+        _parallel_config: Any = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Stands in for ``TemplatedRingAttention.forward``: the shipped computation, plus what the backward needs.
 
-    masks = None
-    if attn_mask is not None:
-        masks = ring_grad_route.ring_masks(
-            attn_mask, query, key, config,
-            gather=lambda mask: _gathered_mask(mask, config, funcol),
-            in_rank_order=lambda mask: _in_rank_order(mask, config),
-        )  # fmt: skip
-        if masks is not None and (getattr(config, "ulysses_degree", 1) or 1) > 1:
-            # Unified attention: q holds this rank's heads after Ulysses' all-to-all; a per-head mask (LTX's) came
-            # with every head. Cut after the gather along the keys, which needs every rank's whole mask.
-            masks = tuple(rank_heads(mask, query.shape[2], config) for mask in masks)
-    kept: list[Any] = [None] * world
-    gathered = funcol.all_gather_tensor(
-        torch.cat([key.flatten(), value.flatten()]).contiguous(), gather_dim=0, group=group
-    ).chunk(world)
-    out = lse = None
-    for step in range(world):
-        owner = (rank + step) % world
-        step_key, step_value = (key, value) if step == 0 else _split_kv(gathered[owner], key, value)
-        step_ctx = ctx if step == 0 or masks is None else _StepKept()
-        step_out, step_lse = forward_op(
-            step_ctx, query, step_key, step_value, None if masks is None else masks[owner], dropout_p, is_causal,
-            scale, enable_gqa, True, _save_ctx=step == 0 or masks is not None, _parallel_config=_parallel_config,
-        )  # fmt: skip
-        if masks is not None:  # what the op keeps for its backward (an op that keeps no mask takes none)
-            kept[owner] = getattr(step_ctx, "attn_mask", masks[owner])
-        if config.convert_to_fp32:
-            step_out, step_lse = step_out.to(torch.float32), step_lse.to(torch.float32)
-        # (B, S, H) or, from the cuDNN op on torch >= 2.9, already (B, S, H, 1): broadcast against (B, S, H, D).
-        if step_lse.dim() == 3:
-            step_lse = step_lse.unsqueeze(-1)
-        if out is None or lse is None:
-            out, lse = step_out, step_lse
-            if masks is not None:  # rows whose keys are all masked: output 0 (a kernel may give NaN there)
-                out = out.masked_fill(torch.isneginf(lse), 0.0)
-        elif masks is None:
-            out = out - torch.sigmoid(step_lse - lse) * (out - step_out)
-            lse = lse - F.logsigmoid(lse - step_lse)
-        else:
-            out, lse = _merged_masked(out, lse, step_out, step_lse)
-    assert out is not None and lse is not None  # world >= 1
-    out, lse = out.to(query.dtype), lse.squeeze(-1)
-    refused = ring_grad_route.refusal(world, dropout_p, is_causal, enable_gqa)
-    setattr(ctx, RECORD, RingRecord(out.detach(), lse.detach(), refused, None if masks is None else tuple(kept)))
-    return (out, lse) if return_lse else out
+        Step ``i`` attends to the K/V of ring rank ``rank + i`` (with that chunk's mask columns); the steps are
+        merged through their log-sum-exps (docs/kernel-facts.md). Only the first step saves the op's autograd
+        context, as shipped; with a mask, the later steps' ops keep theirs in a :class:`_StepKept`, whose mask the
+        backward hands that step.
+        """
+        if _ledger.recording:
+            _ledger.reached(ring_grad_route.FIX_ID)
+        config = _parallel_config.context_parallel_config
+        group = config._ring_mesh.get_group()
+        rank, world = config._ring_local_rank, config.ring_degree
+        ctx.forward_op = forward_op
+        ctx.backward_op = backward_op
+        ctx.q_shape = query.shape
+        ctx.kv_shape = key.shape
+        ctx._parallel_config = _parallel_config
+
+        masks = None
+        if attn_mask is not None:
+            masks = ring_grad_route.ring_masks(
+                attn_mask, query, key, config,
+                gather=lambda mask: _gathered_mask(mask, config, collectives),
+                in_rank_order=lambda mask: _in_rank_order(mask, config),
+            )  # fmt: skip
+            if masks is not None and (getattr(config, "ulysses_degree", 1) or 1) > 1:
+                # Unified attention: q holds this rank's heads after Ulysses' all-to-all; a per-head mask (LTX's) came
+                # with every head. Cut after the gather along the keys, which needs every rank's whole mask.
+                masks = tuple(rank_heads(mask, query.shape[2], config) for mask in masks)
+        kept: list[Any] = [None] * world
+        gathered = collectives.all_gather_tensor(
+            torch.cat([key.flatten(), value.flatten()]).contiguous(), gather_dim=0, group=group
+        ).chunk(world)
+        out = lse = None
+        for step in range(world):
+            owner = (rank + step) % world
+            step_key, step_value = (key, value) if step == 0 else _split_kv(gathered[owner], key, value)
+            step_ctx = ctx if step == 0 or masks is None else _StepKept()
+            step_out, step_lse = forward_op(
+                step_ctx, query, step_key, step_value, None if masks is None else masks[owner], dropout_p, is_causal,
+                scale, enable_gqa, True, _save_ctx=step == 0 or masks is not None, _parallel_config=_parallel_config,
+            )  # fmt: skip
+            if masks is not None:  # what the op keeps for its backward (an op that keeps no mask takes none)
+                kept[owner] = getattr(step_ctx, "attn_mask", masks[owner])
+            if config.convert_to_fp32:
+                step_out, step_lse = step_out.to(torch.float32), step_lse.to(torch.float32)
+            # (B, S, H) or, from the cuDNN op on torch >= 2.9, already (B, S, H, 1): broadcast against (B, S, H, D).
+            if step_lse.dim() == 3:
+                step_lse = step_lse.unsqueeze(-1)
+            if out is None or lse is None:
+                out, lse = step_out, step_lse
+                if masks is not None:  # rows whose keys are all masked: output 0 (a kernel may give NaN there)
+                    out = out.masked_fill(torch.isneginf(lse), 0.0)
+            elif masks is None:
+                out = out - torch.sigmoid(step_lse - lse) * (out - step_out)
+                lse = lse - F.logsigmoid(lse - step_lse)
+            else:
+                out, lse = _merged_masked(out, lse, step_out, step_lse)
+        assert out is not None and lse is not None  # world >= 1
+        out, lse = out.to(query.dtype), lse.squeeze(-1)
+        refused = ring_grad_route.refusal(world, dropout_p, is_causal, enable_gqa)
+        setattr(ctx, RECORD, RingRecord(out.detach(), lse.detach(), refused, None if masks is None else tuple(kept)))
+        return (out, lse) if return_lse else out
+
+    return ring_attention_forward
 
 
 def _merged_masked(
@@ -224,7 +245,7 @@ def _merged_masked(
 def _gathered_mask(mask: torch.Tensor, config: Any, collectives: Any) -> torch.Tensor:
     """Every rank's shard of the mask, along the keys in the order of the ring's K/V chunks: the Ulysses group's
     first (its all-to-all lays the sequence out in its ranks' order), then the ring's. A bool mask travels as
-    bytes (not every process-group backend takes bool). ``collectives``: the forward's ``funcol``."""
+    bytes (not every process-group backend takes bool). ``collectives``: the forward's."""
     flat = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
     ulysses = getattr(config, "ulysses_degree", 1) or 1
     for degree, mesh in ((ulysses, "_ulysses_mesh"), (config.ring_degree, "_ring_mesh")):
@@ -373,8 +394,8 @@ def ring_gradients(
     Step ``i`` works on the K/V chunk of ring rank ``rank - i``: ``step_grads(rank - i, K, V)`` returns that
     chunk's (dQ, dK, dV) for our queries. dQ is summed here; the chunk's dK/dV are added to the accumulator that
     arrived from rank ``rank - 1`` (which has just worked on the same chunk) and passed on to rank
-    ``rank + 1``: after the last step that is the chunk's owner, for any ring degree. ``collectives`` is the
-    replacement's ``funcol`` (the checks and test harnesses hand it stand-ins through its globals).
+    ``rank + 1``: after the last step that is the chunk's owner, for any ring degree. ``collectives``: those the
+    replacement's builder was handed.
     """
     config = ctx._parallel_config.context_parallel_config
     group = config._ring_mesh.get_group()

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from .. import _ledger
-from .._detect import input_count, run_ulysses_backward
 from .._fix import Lookup
 from .._switches import mask_mode
 from ..fixes import (
@@ -66,13 +65,18 @@ class ForwardOp:
 
 
 def build(
-    shipped: Lookup, broken: frozenset[str], ops: dict[str, Any], gqa_refused: Callable[[str], bool]
-) -> dict[str, Any]:
+    shipped: Lookup, broken: frozenset[str], ops: dict[str, Any], facts: Any, *, diffusers: Any = None,
+    all_to_all: Callable[..., Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """The replacements for the ``broken`` fixes; ``ops``: the package's replacements of diffusers' ops, by target;
-    ``gqa_refused(op)``: whether diffusers' op ``op`` raises its own error for ``enable_gqa``."""
+    ``facts``: what was read off diffusers' code (``targets.Facts``: ``gqa_refused(op)``, whether diffusers' op
+    ``op`` raises its own error for ``enable_gqa``; the Ulysses forward's inputs; the gradients diffusers' backward
+    returns); ``all_to_all``: the
+    collective the Ulysses backward routes gradients with (default: diffusers' ``_all_to_all_single`` as its
+    attention module, ``diffusers``, holds it at each call, as diffusers' own backward reads it)."""
     converts = CUDNN_FORWARD if cudnn_bool_mask.FIX_ID in broken else None
     meets = {
-        ops[name]: ForwardOp(gqa_refused(name), name == converts)
+        ops[name]: ForwardOp(facts.gqa_refused(name), name == converts)
         for name in (CUDNN_FORWARD, FLASH_FORWARD)
         if name in ops
     }
@@ -87,9 +91,12 @@ def build(
     ):  # hands in_kv_order the text length
         built[QWEN_PROCESSOR] = processor(shipped(QWEN_PROCESSOR))
     if broken & BACKWARD_POLICIES:
-        inputs = input_count(shipped(ULYSSES_FORWARD))
-        assert inputs is not None  # the checks read it before the build
-        built[ULYSSES_BACKWARD] = staticmethod(backward(shipped(ULYSSES_BACKWARD), broken, inputs))
+        returned = facts.ulysses_returned if ulysses_kv_length.FIX_ID in broken else 0
+        if all_to_all is None:
+            all_to_all = _at_each_call(diffusers, ALL_TO_ALL)
+        built[ULYSSES_BACKWARD] = staticmethod(
+            backward(shipped(ULYSSES_BACKWARD), broken, facts.ulysses_inputs, returned, all_to_all)
+        )
     return built
 
 
@@ -132,23 +139,26 @@ def forward(shipped: Any, broken: frozenset[str], meets: dict[Any, ForwardOp], *
     return ulysses_attention_forward
 
 
-def backward(shipped: Any, broken: frozenset[str], inputs: int) -> Any:
-    """diffusers' Ulysses backward ``shipped`` (``ulysses_kv_length``: the package's own in its place, returning as
-    many gradients), its result padded with ``None`` to one gradient per input of the forward (``inputs``) where
-    ``ulysses_grad_count`` is broken."""
+def _at_each_call(module: Any, name: str) -> Callable[..., Any]:
+    """``module``'s function ``name`` as the module holds it when called (a tool or a test may put another there)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(module, name)(*args, **kwargs)
+
+    return call
+
+
+def backward(shipped: Any, broken: frozenset[str], inputs: int, returned: int, all_to_all: Callable[..., Any]) -> Any:
+    """diffusers' Ulysses backward ``shipped`` (``ulysses_kv_length``: the package's own in its place, routing the
+    gradients with ``all_to_all`` and returning as many as diffusers' own does, ``returned``), its result padded with
+    ``None`` to one gradient per input of the forward (``inputs``) where ``ulysses_grad_count`` is broken."""
     own = ulysses_kv_length.FIX_ID in broken
     pad = ulysses_grad_count.FIX_ID in broken
-    returned = 0
-    if own:  # how many diffusers' own returns (the gradient count is ulysses_grad_count's, not this step's)
-        grads, error = run_ulysses_backward(shipped, shipped)
-        assert grads is not None, error  # the Ulysses checks ran it on the shipped code before the build
-        returned = len(grads)
 
     def ulysses_attention_backward(ctx: Any, grad_out: torch.Tensor, *args: Any) -> Any:
         grads: tuple[Any, ...]
         if own:
-            # diffusers' all-to-all as its own backward sees it (a check's stand-in copy of it sees a stand-in).
-            grads = routed_back(ctx, grad_out, shipped.__globals__[ALL_TO_ALL])
+            grads = routed_back(ctx, grad_out, all_to_all)
             grads += (None,) * (returned - len(grads))
         else:
             grads = tuple(shipped(ctx, grad_out, *args))

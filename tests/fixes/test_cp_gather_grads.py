@@ -16,10 +16,14 @@ from __future__ import annotations
 import types
 
 import pytest
-from expected_fixes import CARRIES
-from releases import RELEASES, fix_states, release_dir, run
+from releases import RELEASES, WITH_OPS, fix_states, release_dir, run
 
 FIX = "cp_gather_grads"
+#: The releases that carry the bug, written from the facts (tests/expected_fixes.py collects them).
+# diffusers' all-gather backward keeps this rank's chunk of a gradient it assumes equal on every rank (every
+# release with context parallelism); a plan that gathers inside the model (Helios) trains wrong with it.
+CARRIES = WITH_OPS
+CORRECTION = False  # a guard: the package refuses or converts the input (True: a correction)
 
 #: Imports diffusers' ModelMixin before its attention module, as a model's import may: the check reads both.
 _STATES = (
@@ -35,7 +39,7 @@ def test_the_check_finds_the_bug_on_every_release_with_context_parallelism(versi
     """Broken as shipped and guarded by the package's ``enable_parallelism`` where the release has context
     parallelism; not applicable on 0.35.2, which has none."""
     found = run(release_dir(version), _STATES, preloaded=True)["state"]
-    expected = ["broken", True, "guarded"] if version in CARRIES[FIX] else ["absent", False, "not_applicable"]
+    expected = ["broken", True, "guarded"] if version in CARRIES else ["absent", False, "not_applicable"]
     assert found == expected, version
 
 

@@ -28,7 +28,7 @@ import subprocess_op_pair_grads
 from harness import op_pair, pair_config, stand_in_collectives, ulysses_attention, ulysses_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from releases import ROOT, fix_states, release_dir, run
+from releases import ROOT, WITH_OPS, fix_states, release_dir, run
 from subprocess_key_padding import (
     CASES,
     MASK_KINDS,
@@ -47,6 +47,9 @@ import diffusers_cudnn_fix
 from diffusers_cudnn_fix import UnsafeAttentionError
 
 FIX = "cudnn_bool_mask"
+#: The releases that carry the bug, written from the facts (tests/expected_fixes.py collects them).
+CARRIES = WITH_OPS
+CORRECTION = False  # a guard: the package refuses or converts the input (True: a correction)
 
 # In-process cases convert bool masks on purpose: the once-per-process notice is expected here (the
 # subprocess cases assert it), not something to leave in the test summary.

@@ -29,6 +29,9 @@ import diffusers_cudnn_fix
 from diffusers_cudnn_fix import FixNotAppliedWarning
 
 FIX = "cudnn_forward_lse"
+#: The releases that carry the bug, written from the facts (tests/expected_fixes.py collects them).
+CARRIES = frozenset({"0.36.0", "0.37.0", "0.37.1", "0.38.0", "0.39.0"})
+CORRECTION = True  # a correction: the package makes the result right (False: a guard)
 
 
 @pytest.mark.slow

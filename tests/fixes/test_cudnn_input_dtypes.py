@@ -16,12 +16,15 @@ import re
 import pytest
 import subprocess_op_pair_grads
 from harness import op_pair, pair_config
-from releases import fix_states
+from releases import WITH_OPS, fix_states
 
 import diffusers_cudnn_fix
 from diffusers_cudnn_fix import FixNotAppliedWarning, UnsafeAttentionError
 
 FIX = "cudnn_input_dtypes"
+#: The releases that carry the bug, written from the facts (tests/expected_fixes.py collects them).
+CARRIES = WITH_OPS
+CORRECTION = False  # a guard: the package refuses or converts the input (True: a correction)
 
 
 def _forward(module, *, dtypes=("bfloat16", "bfloat16", "bfloat16")):

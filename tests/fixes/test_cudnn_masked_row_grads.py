@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import pytest
 from harness import op_pair, pair_config
-from releases import fix_states
+from releases import WITH_OPS, fix_states
 
 import diffusers_cudnn_fix
 
 FIX = "cudnn_masked_row_grads"
+#: The releases that carry the bug, written from the facts (tests/expected_fixes.py collects them).
+CARRIES = WITH_OPS
+CORRECTION = False  # a guard: the package refuses or converts the input (True: a correction)
 
 
 @pytest.mark.slow

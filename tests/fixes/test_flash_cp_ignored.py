@@ -17,6 +17,12 @@ from __future__ import annotations
 import pytest
 from releases import release_dir, run
 
+#: The releases that carry the bug, written from the facts (tests/expected_fixes.py collects them).
+# 0.36.0's _native_flash backend takes _parallel_config and never reads it (0.37.0 routes it through the
+# templated context-parallel path; 0.35.2 has no context parallelism).
+CARRIES = frozenset({"0.36.0"})
+CORRECTION = False  # a guard: the package refuses or converts the input (True: a correction)
+
 SCRIPT = """
 import json, torch, diffusers_cudnn_fix
 import diffusers.models.attention_dispatch as m

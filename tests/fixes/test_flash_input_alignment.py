@@ -14,11 +14,14 @@ from __future__ import annotations
 import types
 
 import pytest
-from releases import fix_states
+from releases import WITH_OPS, fix_states
 
 import diffusers_cudnn_fix
 
 FIX = "flash_input_alignment"
+#: The releases that carry the bug, written from the facts (tests/expected_fixes.py collects them).
+CARRIES = WITH_OPS - {"0.36.0"}
+CORRECTION = False  # a guard: the package refuses or converts the input (True: a correction)
 FLASH_GQA = "`enable_gqa` is not yet supported for native flash attention."
 
 

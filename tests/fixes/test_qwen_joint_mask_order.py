@@ -28,6 +28,10 @@ from test_cp_training import LOSS_TOLERANCE, MISREAD_MIN_REL_ERR, RING_TOLERANCE
 
 from diffusers_cudnn_fix.fixes.qwen_joint_mask_order import rank_ordered_mask
 
+#: The releases that carry the bug, written from the facts (tests/expected_fixes.py collects them).
+CARRIES = frozenset({"0.36.0", "0.37.0", "0.37.1", "0.38.0"})
+CORRECTION = True  # a correction: the package makes the result right (False: a guard)
+
 
 def brute_force(mask: torch.Tensor, text_len: int, image_len: int, degree: int) -> torch.Tensor:
     """The reference: position ``p`` of the rank order is rank ``p // local``'s local token ``p % local``, which
@@ -105,7 +109,8 @@ import json, types, torch, diffusers_cudnn_fix
 import diffusers.models.attention_dispatch as module
 import diffusers.models.transformers.transformer_qwenimage as qwen  # loaded, as in a QwenImage run
 from diffusers_cudnn_fix import UnsafeAttentionError
-from diffusers_cudnn_fix._detect import rebuilt_around
+from diffusers_cudnn_fix._fix import built_of
+from diffusers_cudnn_fix._registry import live_objects
 from diffusers_cudnn_fix.fixes import ALL_FIXES, qwen_joint_mask_order as fix
 FIX_ID = "qwen_joint_mask_order"
 
@@ -116,9 +121,8 @@ def stand_in(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidd
              attention_mask=None):  # QwenImage's processor, handing its joint mask to the attention (`attn`)
     return attn(attention_mask)
 
-# QwenImage's processor as installed (the package's wrapper, where it is one) around the stand-in.
-processor = rebuilt_around(qwen.QwenDoubleStreamAttnProcessor2_0.__call__,
-                           diffusers_cudnn_fix.get_original(fix.QWEN_PROCESSOR), stand_in) or stand_in
+# QwenImage's processor as installed (the package's wrapper, built again around the stand-in, where it is one).
+processor = built_of(live_objects(module), fix.QWEN_PROCESSOR, stand_in) or stand_in
 
 class Reached(Exception):
     pass

@@ -23,9 +23,15 @@ import types
 
 import pytest
 import threaded_ring
-from releases import release_dir, run
+from releases import WITH_OPS, release_dir, run
 
 import diffusers_cudnn_fix
+
+#: The releases that carry the bug, written from the facts (tests/expected_fixes.py collects them).
+# 0.36.0-0.39.0: every ring step reuses the first step's tensors; 0.40.0 on: the K/V gradients go the wrong
+# way round the ring from degree 3.
+CARRIES = WITH_OPS
+CORRECTION = True  # a correction: the package makes the result right (False: a guard)
 
 RING_FORWARD, RING_BACKWARD = "TemplatedRingAttention.forward", "TemplatedRingAttention.backward"
 #: The mask cases hand the cuDNN op bool masks: the package's notices of that (once per process) are expected here.
@@ -46,25 +52,27 @@ def test_ring_check_tells_the_shipped_ring_from_the_corrected_one(patched: types
     K/V and routes each chunk's gradient to its owner. 0.40.0 and later (the route broken): the next test, in a
     fresh interpreter."""
     import diffusers_cudnn_fix
+    from diffusers_cudnn_fix._registry import Objects, live_objects
     from diffusers_cudnn_fix.fixes import ring_grad_route
 
     cls = patched.TemplatedRingAttention
     shipped = {t: diffusers_cudnn_fix.get_original(t).__func__ for t in (RING_FORWARD, RING_BACKWARD)}
-    installed = {RING_FORWARD: cls.forward, RING_BACKWARD: cls.backward}
     globals_before = dict(shipped[RING_BACKWARD].__globals__)
 
-    def lookup(objects: dict) -> object:
+    def lookup(objects: dict) -> object:  # diffusers' own functions, as a plain lookup shows them
         return lambda name: cls if name == "TemplatedRingAttention" else objects.get(name)
 
     found = ring_grad_route.check(lookup(shipped))
     assert found.state == "broken" and "each step's K/V" in found.detail, found
     assert ring_grad_route.reuses_first_step(lookup(shipped))
-    found = ring_grad_route.check(lookup(installed))
+    installed = live_objects(patched)  # the package's ring, built again with the check's stand-ins
+    found = ring_grad_route.check(installed)
     assert found.state == "ok" and "reaches its owner" in found.detail, found
     # The corrected backward after diffusers' own forward (which keeps nothing for it) refuses to run: the check
     # cannot call that pair right, and says so.
-    mixed = {**installed, RING_FORWARD: shipped[RING_FORWARD]}
-    assert ring_grad_route.check(lookup(mixed)).state == "unknown"
+    backward_only = {RING_BACKWARD: installed.candidates[RING_BACKWARD]}
+    mixed = Objects(patched, backward_only, installed.broken, facts=installed.facts)
+    assert ring_grad_route.check(mixed).state == "unknown"
     # The stand-in collectives reached copies only.
     assert dict(shipped[RING_BACKWARD].__globals__) == globals_before
 

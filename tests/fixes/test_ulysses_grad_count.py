@@ -14,6 +14,9 @@ import pytest
 from releases import fix_states, release_dir, run
 
 FIX = "ulysses_grad_count"
+#: The releases that carry the bug, written from the facts (tests/expected_fixes.py collects them).
+CARRIES = frozenset({"0.36.0"})
+CORRECTION = True  # a correction: the package makes the result right (False: a guard)
 
 
 @pytest.mark.slow

@@ -21,12 +21,17 @@ from __future__ import annotations
 
 import pytest
 from harness import ulysses_against_reference
-from releases import RELEASES, fix_states, release_dir, run
+from releases import RELEASES, WITH_OPS, fix_states, release_dir, run
 
 import diffusers_cudnn_fix
 from diffusers_cudnn_fix import FixNotAppliedWarning
 
 FIX = "ulysses_head_mask"
+#: The releases that carry the bug, written from the facts (tests/expected_fixes.py collects them).
+# diffusers' Ulysses class (0.36.0 on, the same code in its forward's head handling and its backward): a per-head
+# mask reaches the op with every head (issue #42's LTX findings).
+CARRIES = WITH_OPS
+CORRECTION = True  # a correction: the package makes the result right (False: a guard)
 WORLDS = (2, 4)
 HEADS, SEQ = 4, 3
 WITH_CLASS = tuple(v for v in RELEASES if v != "0.35.2")

@@ -19,12 +19,17 @@ from __future__ import annotations
 
 import pytest
 from harness import ulysses_against_reference
-from releases import RELEASES, fix_states, release_dir, run
+from releases import RELEASES, WITH_OPS, fix_states, release_dir, run
 
 import diffusers_cudnn_fix
 from diffusers_cudnn_fix import FixNotAppliedWarning
 
 FIX = "ulysses_kv_length"
+#: The releases that carry the bug, written from the facts (tests/expected_fixes.py collects them).
+# diffusers' Ulysses class (0.36.0 on, the same code in its backward): dK / dV are reshaped with the queries'
+# length (issue #42's LTX findings).
+CARRIES = WITH_OPS
+CORRECTION = True  # a correction: the package makes the result right (False: a guard)
 #: diffusers' own error: dK/dV reshaped with the queries' length.
 SHIPPED_ERROR = "is invalid for input of size"
 #: (tokens of q, tokens of k and v) a rank: keys longer, keys shorter, equal lengths.

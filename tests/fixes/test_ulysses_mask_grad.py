@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import pytest
 from harness import stand_in_collectives, ulysses_attention, ulysses_config
-from releases import fix_states
+from releases import WITH_OPS, fix_states
 
 import diffusers_cudnn_fix
 from diffusers_cudnn_fix import FixNotAppliedWarning, UnsafeAttentionError
 
 FIX = "ulysses_mask_grad"
+#: The releases that carry the bug, written from the facts (tests/expected_fixes.py collects them).
+CARRIES = WITH_OPS
+CORRECTION = False  # a guard: the package refuses or converts the input (True: a correction)
 
 
 @pytest.mark.slow
