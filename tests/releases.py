@@ -128,6 +128,15 @@ def run(
     return result
 
 
+def keep(name: str, result: dict) -> None:
+    """Write ``result`` as ``name`` (JSON) into the folder ``DIFFUSERS_CUDNN_FIX_RESULTS`` names, if any: the GPU
+    tests' raw results, which the GPU session brings back."""
+    folder = os.environ.get("DIFFUSERS_CUDNN_FIX_RESULTS")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        Path(folder, name).write_text(json.dumps(result, indent=1, default=str))
+
+
 _FIX_STATES = (
     "import json, diffusers_cudnn_fix, diffusers.models.attention_dispatch\n"
     "print(json.dumps({f.id: [f.detected, f.applied, f.reason_code] for f in diffusers_cudnn_fix.status().fixes}))\n"

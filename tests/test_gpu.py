@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from releases import ROOT, TESTS, release_dir, run
+from releases import ROOT, TESTS, keep, release_dir, run
 
 pytestmark = pytest.mark.gpu
 
@@ -44,10 +44,7 @@ def gpu_result(request) -> dict:
     version = request.param
     result = run(release_dir(version), "import gpu_checks; gpu_checks.main()", timeout=480)
     result.pop("_stderr", None)
-    folder = os.environ.get("DIFFUSERS_CUDNN_FIX_RESULTS")
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        Path(folder, f"gpu-results-{version}.json").write_text(json.dumps(result, indent=1))
+    keep(f"gpu-results-{version}.json", result)
     return result
 
 
@@ -102,10 +99,7 @@ def test_ring_at_degrees_3_and_4_on_040() -> None:
     them in ``gpu_result``)."""
     result = run(release_dir("0.40.0"), "import gpu_checks; gpu_checks.main_ring()", timeout=240)
     result.pop("_stderr", None)
-    folder = os.environ.get("DIFFUSERS_CUDNN_FIX_RESULTS")
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        Path(folder, "gpu-results-ring-0.40.0.json").write_text(json.dumps(result, indent=1))
+    keep("gpu-results-ring-0.40.0.json", result)
     assert result["version"] == "0.40.0"
     assert_ring_chunks(result["ring_chunks"], "0.40.0")
 
@@ -203,10 +197,7 @@ def _launch(case: tuple[str, str, str]) -> dict[str, Any]:
         stderr_tail=stderr[-6000:],
         stdout_tail=stdout[-2000:] if not result else "",
     )
-    folder = os.environ.get("DIFFUSERS_CUDNN_FIX_RESULTS")
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        Path(folder, f"launch-{_case_id(case)}.json").write_text(json.dumps(result, indent=1, default=str))
+    keep(f"launch-{_case_id(case)}.json", result)
     return result
 
 
@@ -263,10 +254,7 @@ def stacks_result(request) -> dict:
     version = request.param
     result = run(release_dir(version), "import gpu_training_stacks as s; s.main()", timeout=420)
     result.pop("_stderr", None)
-    folder = os.environ.get("DIFFUSERS_CUDNN_FIX_RESULTS")
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        Path(folder, f"gpu-stacks-{version}.json").write_text(json.dumps(result, indent=1))
+    keep(f"gpu-stacks-{version}.json", result)
     assert "fatal" not in result, result.get("traceback", result["fatal"])
     return result
 

@@ -11,12 +11,8 @@ pair and through diffusers' own ``TemplatedUlyssesAttention``. Every case is wit
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import pytest
-from releases import release_dir, run
+from releases import keep, release_dir, run
 
 pytestmark = pytest.mark.gpu
 
@@ -51,10 +47,7 @@ def compiled_cases(request) -> dict:
     # (the mask cache's weakref callback once ran after module teardown: "Exception ignored in ... remembered").
     stderr = result.pop("_stderr", "")
     assert "Exception ignored" not in stderr, stderr[-4000:]
-    folder = os.environ.get("DIFFUSERS_CUDNN_FIX_RESULTS")
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        Path(folder, f"gpu-compile-{version}.json").write_text(json.dumps(result, indent=1))
+    keep(f"gpu-compile-{version}.json", result)
     return result["cases"]
 
 

@@ -11,12 +11,8 @@ to keep the raw JSON (``gpu-key-padding-<version>.json``).
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import pytest
-from releases import release_dir, run
+from releases import keep, release_dir, run
 from subprocess_key_padding import RANDOM_CASES
 
 pytestmark = pytest.mark.gpu
@@ -28,10 +24,7 @@ RELEASES = ("0.39.0", "0.42.1")
 def test_key_padding_on_cudnn(version: str) -> None:
     result = run(release_dir(version), "import subprocess_key_padding as s; s.main()", timeout=300)
     result.pop("_stderr", None)
-    folder = os.environ.get("DIFFUSERS_CUDNN_FIX_RESULTS")
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        Path(folder, f"gpu-key-padding-{version}.json").write_text(json.dumps(result, indent=1))
+    keep(f"gpu-key-padding-{version}.json", result)
     failed = {n: r for n, r in result["fixed"].items() if not r["ok"]}
     failed.update({f"random {i}": r for i, r in enumerate(result["random"]) if not r["ok"]})
     assert not failed, failed

@@ -16,13 +16,10 @@ goes through diffusers' own ring.
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
-from releases import release_dir, run
+from releases import keep, release_dir, run
 
 from diffusers_cudnn_fix.fixes import ring_grad_route
 
@@ -50,10 +47,7 @@ def assert_ring_masks(result: dict[str, Any], *, device: str) -> None:
 def test_ring_with_masks_on_the_real_kernels(version: str) -> None:
     result = run(release_dir(version), "import gpu_checks; gpu_checks.main_ring_masks()", timeout=300)
     result.pop("_stderr", None)
-    folder = os.environ.get("DIFFUSERS_CUDNN_FIX_RESULTS")
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        Path(folder, f"gpu-ring-masks-{version}.json").write_text(json.dumps(result, indent=1))
+    keep(f"gpu-ring-masks-{version}.json", result)
     assert_ring_masks(result, device="cuda")
 
 

@@ -18,13 +18,10 @@ every case goes through diffusers' own backward and raises.
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
-from releases import release_dir, run
+from releases import keep, release_dir, run
 
 from diffusers_cudnn_fix.fixes import ulysses_kv_length
 
@@ -57,10 +54,7 @@ def assert_ulysses_models(result: dict[str, Any], *, device: str) -> None:
 def test_ulysses_models_on_the_real_kernels(version: str) -> None:
     result = run(release_dir(version), "import gpu_checks; gpu_checks.main_ulysses_models()", timeout=300)
     result.pop("_stderr", None)
-    folder = os.environ.get("DIFFUSERS_CUDNN_FIX_RESULTS")
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        Path(folder, f"gpu-ulysses-models-{version}.json").write_text(json.dumps(result, indent=1))
+    keep(f"gpu-ulysses-models-{version}.json", result)
     assert_ulysses_models(result, device="cuda")
 
 

@@ -14,11 +14,8 @@ H200 with torch 2.11, rank 1 was killed by SIGSEGV in the context-parallel step:
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import pytest
+from releases import keep
 from test_verify import result, verify
 
 pytestmark = pytest.mark.gpu
@@ -30,10 +27,7 @@ ONE_GPU = ("--nproc", "2", "--dist-backend", "gloo")
 
 
 def _keep(name: str, found: dict) -> None:
-    folder = os.environ.get("DIFFUSERS_CUDNN_FIX_RESULTS")
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        Path(folder, f"verify-{name}.json").write_text(json.dumps(found, indent=1))
+    keep(f"verify-{name}.json", found)
 
 
 def _two_gpus() -> bool:

@@ -7,6 +7,7 @@ with ``OPENBLAS_NUM_THREADS=1`` and refuses to start if any import left a second
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -37,3 +38,14 @@ def test_the_preloaded_interpreter_refuses_to_fork_with_a_second_thread(tmp_path
     )
     assert proc.returncode != 0 and "ready" not in proc.stdout, (proc.stdout, proc.stderr)
     assert "2 threads" in proc.stderr, proc.stderr
+
+
+def test_a_gpu_result_is_kept_where_the_session_asks(tmp_path: Path, monkeypatch) -> None:
+    """``releases.keep``: the GPU tests' raw JSON goes to ``DIFFUSERS_CUDNN_FIX_RESULTS`` (made if missing), and
+    nowhere without it."""
+    monkeypatch.delenv("DIFFUSERS_CUDNN_FIX_RESULTS", raising=False)
+    releases.keep("nowhere.json", {"a": 1})
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setenv("DIFFUSERS_CUDNN_FIX_RESULTS", str(tmp_path / "out"))
+    releases.keep("gpu-x.json", {"a": 1, "b": Path("p")})
+    assert json.loads((tmp_path / "out" / "gpu-x.json").read_text()) == {"a": 1, "b": "p"}
