@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 import sys
 import threading
 from dataclasses import dataclass, field, replace
@@ -174,26 +173,11 @@ class Objects:
             return around
         from .targets import build
 
-        view = Objects(self.module, standing_in={**self.standing_in, name: _signed_as(around, self.shipped(name))})
+        view = Objects(self.module, standing_in={**self.standing_in, name: around})
         built_with = self.candidates if self.siblings is None else self.siblings
         siblings = {target: new for target, new in built_with.items() if target != name}
         rebuilt = build(view, self.broken, facts=self.facts, diffusers=self.module, siblings=siblings, **seams)
         return callable_of(rebuilt.get(name))
-
-
-def _signed_as(stand_in: Any, shipped: Any) -> Any:
-    """``stand_in`` taking the place of diffusers' ``shipped`` in a rebuild, with ``shipped``'s signature: the
-    builders read facts off the function they wrap (how many inputs a forward takes), not off a check's stand-in."""
-    try:
-        signature = inspect.signature(shipped)
-    except (TypeError, ValueError):
-        return stand_in
-
-    def standing_in(*args: Any, **kwargs: Any) -> Any:
-        return stand_in(*args, **kwargs)
-
-    standing_in.__signature__ = signature  # type: ignore[attr-defined]
-    return standing_in
 
 
 def check_live(module: ModuleType) -> dict[str, Finding]:

@@ -138,16 +138,19 @@ def keep(name: str, result: dict) -> None:
 
 
 _FIX_STATES = (
-    "import json, diffusers_cudnn_fix, diffusers.models.attention_dispatch\n"
-    "print(json.dumps({f.id: [f.detected, f.applied, f.reason_code] for f in diffusers_cudnn_fix.status().fixes}))\n"
+    "import json, diffusers_cudnn_fix{first}, diffusers.models.attention_dispatch\n"
+    "print(json.dumps({{f.id: [f.detected, f.applied, f.reason_code] for f in diffusers_cudnn_fix.status().fixes}}))\n"
 )
 
 
 @functools.cache
-def fix_states(version: str) -> dict[str, list]:
+def fix_states(version: str, *, models_first: bool = False) -> dict[str, list]:
     """Each fix's ``[detected, applied, reason_code]`` (``status()``) once diffusers ``version``'s attention module
-    is imported with the package, in a fresh interpreter; cached per process (tests/fixes/ read it per fix)."""
-    result = run(release_dir(version), _FIX_STATES, preloaded=True)
+    is imported with the package, in a fresh interpreter; cached per process (tests/fixes/ read it per fix).
+    ``models_first``: diffusers' ``ModelMixin`` module imported before the attention module, as a model's import
+    may (the model fixes' checks read both)."""
+    first = ", diffusers.models.modeling_utils" if models_first else ""
+    result = run(release_dir(version), _FIX_STATES.format(first=first), preloaded=True)
     return {fix: states for fix, states in result.items() if fix != "_stderr"}
 
 

@@ -228,21 +228,27 @@ def _build() -> tuple[Any, dict[str, Any], Any]:
     return model, inputs, torch.randn(batch, tokens, LTX_CONFIG["out_channels"], generator=gen)
 
 
-def _build_helios() -> tuple[Any, dict[str, Any], Any]:
-    """The tiny Helios (fp32, seeded), its inputs and an MSE target."""
+def _build_video(cls_name: str, config: dict[str, Any]) -> tuple[Any, dict[str, Any], Any]:
+    """A tiny video transformer of diffusers' class ``cls_name`` (fp32, seeded) with ``config``, its inputs (a latent
+    of ``HELIOS_LATENT``, one timestep per sample, 8 text tokens) and an MSE target."""
+    import diffusers
     import torch
-    from diffusers import HeliosTransformer3DModel
 
     torch.manual_seed(0)
-    model = HeliosTransformer3DModel(**HELIOS_CONFIG)
+    model = getattr(diffusers, cls_name)(**config)
     model.set_attention_backend(BACKEND)
     gen = torch.Generator().manual_seed(1)
     inputs = {
         "hidden_states": torch.randn(*HELIOS_LATENT, generator=gen),
         "timestep": torch.tensor([500]),
-        "encoder_hidden_states": torch.randn(HELIOS_LATENT[0], 8, HELIOS_CONFIG["text_dim"], generator=gen),
+        "encoder_hidden_states": torch.randn(HELIOS_LATENT[0], 8, config["text_dim"], generator=gen),
     }
     return model, inputs, torch.randn(*HELIOS_LATENT, generator=gen)
+
+
+def _build_helios() -> tuple[Any, dict[str, Any], Any]:
+    """The tiny Helios, its inputs and an MSE target."""
+    return _build_video("HeliosTransformer3DModel", HELIOS_CONFIG)
 
 
 def _outputs(output: Any, target: Any) -> Any:
@@ -355,19 +361,7 @@ WAN_CONFIG = dict(
 def _build_wan() -> tuple[Any, dict[str, Any], Any]:
     """The tiny Wan (fp32, seeded), its inputs with a 1-D timestep (one per sample: what its plan's ``timestep``
     split, which expects one per token, skips with a warning) and an MSE target."""
-    import torch
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(0)
-    model = WanTransformer3DModel(**WAN_CONFIG)
-    model.set_attention_backend(BACKEND)
-    gen = torch.Generator().manual_seed(1)
-    inputs = {
-        "hidden_states": torch.randn(*HELIOS_LATENT, generator=gen),
-        "timestep": torch.tensor([500]),
-        "encoder_hidden_states": torch.randn(HELIOS_LATENT[0], 8, WAN_CONFIG["text_dim"], generator=gen),
-    }
-    return model, inputs, torch.randn(*HELIOS_LATENT, generator=gen)
+    return _build_video("WanTransformer3DModel", WAN_CONFIG)
 
 
 BUILDERS = {"ltx": _build, "helios": _build_helios, "ltx2": _build_ltx2, "wan": _build_wan}

@@ -25,20 +25,13 @@ FIX = "cp_gather_grads"
 CARRIES = WITH_OPS
 CORRECTION = False  # a guard: the package refuses or converts the input (True: a correction)
 
-#: Imports diffusers' ModelMixin before its attention module, as a model's import may: the check reads both.
-_STATES = (
-    "import json, diffusers_cudnn_fix, diffusers.models.modeling_utils, diffusers.models.attention_dispatch\n"
-    "f = {f.id: f for f in diffusers_cudnn_fix.status().fixes}['cp_gather_grads']\n"
-    "print(json.dumps({'state': [f.detected, f.applied, f.reason_code]}))\n"
-)
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version", RELEASES)
 def test_the_check_finds_the_bug_on_every_release_with_context_parallelism(version: str) -> None:
     """Broken as shipped and guarded by the package's ``enable_parallelism`` where the release has context
     parallelism; not applicable on 0.35.2, which has none."""
-    found = run(release_dir(version), _STATES, preloaded=True)["state"]
+    found = fix_states(version, models_first=True)[FIX]
     expected = ["broken", True, "guarded"] if version in CARRIES else ["absent", False, "not_applicable"]
     assert found == expected, version
 

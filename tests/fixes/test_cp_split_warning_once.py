@@ -19,7 +19,7 @@ import logging
 import types
 
 import pytest
-from releases import RELEASES, WITH_OPS, release_dir, run
+from releases import RELEASES, WITH_OPS, fix_states, release_dir, run
 
 FIX = "cp_split_warning_once"
 #: The releases that carry the bug, written from the facts (tests/expected_fixes.py collects them).
@@ -27,12 +27,6 @@ FIX = "cp_split_warning_once"
 # only once transformers is imported (not installed in the test environment).
 CARRIES = WITH_OPS
 CORRECTION = True  # a correction: the package makes the result right (False: a guard)
-
-_STATES = (
-    "import json, diffusers_cudnn_fix, diffusers.models.modeling_utils, diffusers.models.attention_dispatch\n"
-    "f = {f.id: f for f in diffusers_cudnn_fix.status().fixes}['cp_split_warning_once']\n"
-    "print(json.dumps({'state': [f.detected, f.applied, f.reason_code]}))\n"
-)
 
 
 def test_transformers_is_not_installed() -> None:
@@ -43,7 +37,7 @@ def test_transformers_is_not_installed() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("version", RELEASES)
 def test_the_check_finds_the_bug_on_every_release_with_context_parallelism(version: str) -> None:
-    found = run(release_dir(version), _STATES, preloaded=True)["state"]
+    found = fix_states(version, models_first=True)[FIX]
     expected = ["broken", True, "fixed"] if version in CARRIES else ["absent", False, "not_applicable"]
     assert found == expected, version
 

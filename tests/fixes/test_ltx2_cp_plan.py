@@ -16,7 +16,7 @@ from __future__ import annotations
 import types
 
 import pytest
-from releases import RELEASES, WITH_OPS, release_dir, run
+from releases import RELEASES, WITH_OPS, fix_states, release_dir, run
 
 FIX = "ltx2_cp_plan"
 #: The releases that carry the bug, written from the facts (tests/expected_fixes.py collects them).
@@ -24,17 +24,11 @@ FIX = "ltx2_cp_plan"
 CARRIES = WITH_OPS - {"0.36.0"}
 CORRECTION = True  # a correction: the package makes the result right (False: a guard)
 
-_STATES = (
-    "import json, diffusers_cudnn_fix, diffusers.models.modeling_utils, diffusers.models.attention_dispatch\n"
-    "f = {f.id: f for f in diffusers_cudnn_fix.status().fixes}['ltx2_cp_plan']\n"
-    "print(json.dumps({'state': [f.detected, f.applied, f.reason_code]}))\n"
-)
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version", RELEASES)
 def test_the_check_finds_the_bug_on_every_release_with_ltx2(version: str) -> None:
-    found = run(release_dir(version), _STATES, preloaded=True)["state"]
+    found = fix_states(version, models_first=True)[FIX]
     expected = ["broken", True, "fixed"] if version in CARRIES else ["absent", False, "not_applicable"]
     assert found == expected, version
 
