@@ -9,8 +9,10 @@
 #   bash benchmarks/gpu_session.sh ringmask  # ring attention with masks on the real kernels (0.39.0, 0.42.1;
 #                                          # tests/test_gpu_ring_masks.py), about 2 min
 #   bash benchmarks/gpu_session.sh ulyssesmodels  # Ulysses at world size 1 on the real kernels: keys
-#                                                 # of another length, a per-head mask (0.39.0, 0.42.1;
-#                                                 # tests/test_gpu_ulysses_models.py), not yet timed
+#                                                 # of another length, a per-head mask, host syncs of a
+#                                                 # masked layer stack (0.39.0, 0.42.1;
+#                                                 # tests/test_gpu_ulysses_models.py), and
+#                                                 # bench_mask_plan.py; not yet timed
 #   bash benchmarks/gpu_session.sh keypad  # key-padding masks: bench_gpu.py --sections keypad on 0.39.0 and
 #                                          # 0.42.1, and tests/test_gpu_key_padding.py (about 3 min)
 #   bash benchmarks/gpu_session.sh verify   # `diffusers-cudnn-fix verify` on this GPU: tests/test_gpu_verify.py
@@ -170,6 +172,9 @@ ulyssesmodels)
     step "ulysses models" "${DCF_TESTS_LIMIT:-240}" env DIFFUSERS_CUDNN_FIX_RESULTS=$OUT \
         python3 -m pytest tests/test_gpu_ulysses_models.py -q -p no:cacheprovider -rfEs 2>&1 \
         | tee "$OUT/gpu-ulysses-models-tests.log"
+    # Issue #40, item 3: the key-padding plan once per step, timed against once per layer (a 24-layer stack).
+    step "mask plan bench" "${DCF_BENCH_LIMIT:-150}" python3 benchmarks/bench_mask_plan.py \
+        --out "$OUT/bench-mask-plan.json" 2>&1 | tee "$OUT/bench-mask-plan.log"
     ;;
 keypad)
     # Key-padding masks run on the valid keys alone: timings side by side (0.39.0: the package's corrected op

@@ -31,23 +31,24 @@ _MAX_MASKS = 8
 _kept: dict[int, tuple[weakref.ref[torch.Tensor], int, dict[Any, Any]]] = {}
 
 
-def remembered(compute: Any, tensor: torch.Tensor, question: Any) -> Any:
-    """``compute(tensor, question)``, kept while ``tensor`` lives unchanged (its version counter): a mask built once
-    and handed to every layer is converted, planned or reordered once. The one cache of the mask policies, a few
-    masks deep (a model alternating masks keeps both). Computed every time while compiling, and for an inference
-    tensor (it has no version counter)."""
-    if torch.compiler.is_compiling() or tensor.is_inference():
+def remembered(compute: Any, tensor: torch.Tensor, question: Any, kept_for: torch.Tensor | None = None) -> Any:
+    """``compute(tensor, question)``, kept while ``tensor`` (or ``kept_for``, the tensor it was made from) lives
+    unchanged (its version counter): a mask built once and handed to every layer is converted, planned or reordered
+    once. The one cache of the mask policies, a few masks deep (a model alternating masks keeps both). Computed
+    every time while compiling, and for an inference tensor (it has no version counter)."""
+    owner = tensor if kept_for is None else kept_for
+    if torch.compiler.is_compiling() or owner.is_inference():
         return compute(tensor, question)
-    key = id(tensor)
+    key = id(owner)
     entry = _kept.get(key)
-    if entry is None or entry[0]() is not tensor or entry[1] != tensor._version:
+    if entry is None or entry[0]() is not owner or entry[1] != owner._version:
         if len(_kept) >= _MAX_MASKS:
             _kept.clear()
         # The tensor gone, so is what was computed from it (and its id may be reused). The callback holds the
         # dict's own pop, never the module global: at interpreter exit the module's globals are cleared (None)
         # first, and dropping this dict then frees an answer that may hold the last reference to the tensor.
         forget = _kept.pop
-        entry = _kept[key] = (weakref.ref(tensor, lambda _: forget(key, None)), tensor._version, {})
+        entry = _kept[key] = (weakref.ref(owner, lambda _: forget(key, None)), owner._version, {})
     answers = entry[2]
     if (compute, question) not in answers:
         answers[compute, question] = compute(tensor, question)
@@ -97,6 +98,34 @@ def plan(mask: torch.Tensor, dtype: torch.dtype) -> Plan:
     return Plan("gather", 0, most, index, bias)
 
 
+def plan_of(given: torch.Tensor, dtype: torch.dtype, gathered_from: torch.Tensor | None, config: Any) -> Plan:
+    """The plan for ``given``, kept for the mask it was made from. Under Ulysses, diffusers all-gathers a
+    sequence-local mask into a new tensor in every layer; the layers share the mask the model handed them,
+    ``gathered_from``, so the plan is kept for that one: one host sync per mask per step, not per layer.
+
+    Whether another layer's gather holds the same values depends on every rank's mask, which this rank cannot see
+    without a sync. So each later layer checks, on the device and without waiting, that it equals the first one
+    (``torch._assert_async``): a rank whose mask changed while this one's did not stops the run (on a GPU a
+    device-side assert) instead of training on a stale plan."""
+    if gathered_from is None or gathered_from is given:
+        return remembered(plan, given, dtype)
+    # The plan is kept for gathered_from (its id and version), per dtype, gathered shape and parallel config.
+    first, found = remembered(_planned, given, (dtype, tuple(given.shape), id(config)), gathered_from)
+    if first is not given:  # trim() runs no plan while compiling
+        same = first == given
+        if given.is_floating_point():  # a NaN is the same NaN
+            same |= first.isnan() & given.isnan()
+        torch._assert_async(same.all(), "diffusers_cudnn_fix: the attention mask diffusers' Ulysses forward gathered"
+                            " changed between layers while this rank's own did not; hand every layer of a step the"
+                            " same mask on every rank, or change it on every rank")  # fmt: skip
+    return found
+
+
+def _planned(given: torch.Tensor, question: tuple[Any, ...]) -> tuple[torch.Tensor, Plan]:
+    """The mask planned for (kept, to check later layers' against it) and its plan."""
+    return given, plan(given, question[0])
+
+
 def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(B, n) keep flags as a (B, 1, 1, n) additive bias (``-inf`` where False)."""
     bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
@@ -106,12 +135,14 @@ def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def trim(
     ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, given: torch.Tensor, mask: torch.Tensor, *,
     dropout_p: float, is_causal: bool, save_ctx: bool, parallel_config: Any, restoring: Any, mode: str,
+    gathered_from: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """(key, value, mask) for diffusers' cuDNN forward op: trimmed to the valid keys where ``given`` (the mask
-        as it reached the op) only pads keys, else as they came. ``mask`` is ``given`` after the mask policy; the
-        keywords are the op's own arguments, ``mode`` the mask mode the op read for this call, and ``restoring`` the
-    backward op that scatters the K/V gradients back
-    (:func:`restored`), or None. Records on ``ctx`` what ``restored`` needs."""
+    as it reached the op) only pads keys, else as they came. ``mask`` is ``given`` after the mask policy; the
+    keywords are the op's own arguments, ``mode`` the mask mode the op read for this call, ``restoring`` the
+    backward op that scatters the K/V gradients back (:func:`restored`), or None, and ``gathered_from`` the mask
+    diffusers' Ulysses forward was handed, where it may have gathered ``given`` from it (:func:`plan_of`).
+    Records on ``ctx`` what ``restored`` needs."""
     if torch.compiler.is_compiling() or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()):
         return key, value, mask
     if ctx is not None:
@@ -134,7 +165,7 @@ def trim(
         or mode != "convert"
     ):
         return key, value, mask
-    found = remembered(plan, given, mask.dtype)
+    found = plan_of(given, mask.dtype, gathered_from, parallel_config)
     kind = found.kind
     if kind == "bias" or (found.n == 1 and query.shape[1] == 1):  # cuDNN refuses S_q = S_kv = 1
         return key, value, mask

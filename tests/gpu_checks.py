@@ -434,8 +434,129 @@ def ulysses_models(device: str = "cuda") -> dict[str, Any]:
     return {"backward_replaced": diffusers_cudnn_fix.is_patched("TemplatedUlyssesAttention.backward"), "cases": results}
 
 
+#: The layer stack of :func:`ulysses_mask_syncs`: (batch, tokens, heads, head dim, layers); the share of each
+#: element's tokens that is prompt padding.
+MASK_SYNC_STACK = {"cuda": (2, 1024, 8, 64, 8), "cpu": (2, 32, 2, 16, 4)}
+MASK_SYNC_PADDING = (0.125, 0.0)
+MASK_SYNC_STEPS = {"cuda": 10, "cpu": 2}
+
+
+def ulysses_mask_syncs(
+    device: str = "cuda", stack: tuple[int, int, int, int, int] | None = None, steps: int | None = None
+) -> dict[str, Any]:
+    """Issue #40, item 3: host syncs and step time of a stack of attention layers under Ulysses with a padded-prompt
+    bool mask (the model's, made once per step and handed to every layer), diffusers' ``TemplatedUlyssesAttention``
+    as installed in a one-process group (NCCL on CUDA) on the package's cuDNN ops; diffusers all-gathers the mask
+    in every layer (0.39+). Two ways, steps interleaved: ``package`` (the key-padding plan kept for the model's mask:
+    ``_key_padding.plan_of``) and ``per_gathered_tensor`` (the control, as before: kept for each layer's gathered
+    copy). Per way: ``plans`` per step (``_key_padding.plan`` counted), ``syncs`` per step (CUDA only:
+    ``torch.cuda.set_sync_debug_mode("warn")``'s warnings, in the steps after the warm-up), ``step_ms`` (median;
+    forward and backward of the stack) and the step's largest relative error against the same stack in fp32 eager
+    attention. ``stack`` and ``steps``: default :data:`MASK_SYNC_STACK` and :data:`MASK_SYNC_STEPS` for ``device``
+    (``benchmarks/bench_mask_plan.py`` hands others)."""
+    import statistics
+    import time
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from diffusers_cudnn_fix import _key_padding
+
+    if not hasattr(module, "TemplatedUlyssesAttention"):
+        return {"status": "absent"}
+    diffusers_cudnn_fix.apply()
+    started = not dist.is_initialized()
+    if started:
+        store = tempfile.NamedTemporaryFile(delete=False)
+        dist.init_process_group(
+            "nccl" if device == "cuda" else "gloo", init_method=f"file://{store.name}", rank=0, world_size=1
+        )
+    config = ulysses_config(init_device_mesh(device, (1,)))
+    stack = MASK_SYNC_STACK[device] if stack is None else stack
+    batch, seq, heads, dim, layers = stack
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, seq, heads, dim, generator=gen).to(device, torch.bfloat16)
+    weights = [torch.randn(3, dim, dim, generator=gen).div(dim**0.5).to(device, torch.bfloat16) for _ in range(layers)]
+    keep = torch.ones(batch, 1, 1, seq, dtype=torch.bool)
+    for element, share in enumerate(MASK_SYNC_PADDING):
+        if padded := int(seq * share):
+            keep[element, ..., -padded:] = False
+    plans: list[int] = []
+    real_plan, real_plan_of = _key_padding.plan, _key_padding.plan_of
+
+    def counted(mask: torch.Tensor, dtype: torch.dtype) -> Any:
+        plans.append(1)
+        return real_plan(mask, dtype)
+
+    def per_gathered_tensor(given: Any, dtype: Any, source: Any, config: Any) -> Any:
+        return real_plan_of(given, dtype, None, config)
+
+    def step(exact: bool = False) -> torch.Tensor:
+        mask = keep.to(device, copy=True)  # the model's mask: a new one each step, handed to every layer
+        hidden = x.float().requires_grad_() if exact else x.clone().requires_grad_()
+        h = hidden
+        for w in weights:
+            q, k, v = (h @ (wi.float() if exact else wi) for wi in w)
+            if exact:
+                heads_first = [t.transpose(1, 2) for t in (q, k, v)]
+                out = F.scaled_dot_product_attention(*heads_first, attn_mask=mask).transpose(1, 2)
+            else:
+                out = ulysses_attention(module, q, k, v, mask, config=config)
+            h = h + out
+        h.float().square().mean().backward()
+        return hidden.grad
+
+    _key_padding.plan = counted
+    results: dict[str, Any] = {}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the bool mask's conversion notice
+            golden = step(exact=True)
+            ways = {"package": real_plan_of, "per_gathered_tensor": per_gathered_tensor}
+            for way, plan_of in ways.items():  # warm-up (the probe runs on the first CUDA call), and the error
+                _key_padding.plan_of = plan_of
+                got = step()
+                results[way] = {"error": ((got.float() - golden).abs().max() / golden.abs().max()).item()}
+            times: dict[str, list[float]] = {way: [] for way in ways}
+            counts: dict[str, list[int]] = {way: [] for way in ways}
+            syncs: dict[str, list[int]] = {way: [] for way in ways}
+            for _ in range(MASK_SYNC_STEPS[device] if steps is None else steps):
+                for way, plan_of in ways.items():
+                    _key_padding.plan_of = plan_of
+                    plans.clear()
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    with warnings.catch_warnings(record=True) as seen:
+                        warnings.simplefilter("always")
+                        if device == "cuda":
+                            torch.cuda.set_sync_debug_mode("warn")
+                        start = time.perf_counter()
+                        try:
+                            step()
+                        finally:
+                            if device == "cuda":
+                                torch.cuda.set_sync_debug_mode("default")
+                        if device == "cuda":
+                            torch.cuda.synchronize()
+                        times[way].append((time.perf_counter() - start) * 1e3)
+                    syncs[way].append(sum("synchronizing" in str(w.message) for w in seen))
+                    counts[way].append(len(plans))
+            for way in ways:
+                results[way] |= {
+                    "plans": max(counts[way]), "syncs": max(syncs[way]) if device == "cuda" else None,
+                    "step_ms": statistics.median(times[way]),
+                }  # fmt: skip
+    finally:
+        _key_padding.plan, _key_padding.plan_of = real_plan, real_plan_of
+        if started:
+            dist.destroy_process_group()
+    shape = dict(zip(("batch", "tokens", "heads", "head_dim", "layers"), stack, strict=True))
+    return {"stack": shape, "padding": MASK_SYNC_PADDING, "ways": results}
+
+
 def main_ulysses_models() -> None:
-    """Only ``ulysses_models``, one JSON line."""
+    """Only ``ulysses_models`` and ``ulysses_mask_syncs``, one JSON line."""
     import diffusers
 
     result = {
@@ -444,6 +565,7 @@ def main_ulysses_models() -> None:
         "cudnn": torch.backends.cudnn.version(),
         "gpu": torch.cuda.get_device_name(),
         "ulysses_models": ulysses_models(),
+        "ulysses_mask_syncs": ulysses_mask_syncs(),
     }
     print(json.dumps(result, default=str), flush=True)
     os._exit(0)

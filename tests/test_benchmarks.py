@@ -3,7 +3,8 @@
 The GPU benchmarks (``benchmarks/``) run only in a GPU session, so a rename in the package or in the tests'
 harness broke ``bench_gpu.py`` unseen (its op table could no longer be made) while the session's step exited 0.
 Here each one runs on the CPU stand-in kernels (``tests/standin_kernels.py``): ``--dry-run`` builds and calls once,
-untimed, what the benchmark times (``bench_gpu.py``, ``probe_first_call.py``, ``probe_dead_rows.py``),
+untimed, what the benchmark times (``bench_gpu.py``, ``probe_first_call.py``, ``probe_dead_rows.py``,
+``bench_mask_plan.py``),
 ``gpu_random_cases.py`` runs a few cases with ``--device cpu``, and ``trace_calls.py`` (a CPU benchmark) runs
 whole. A benchmark whose section raises exits 1, and ``gpu_session.sh`` names only scripts and options that
 exist."""
@@ -70,6 +71,17 @@ def test_trace_calls_counts_every_path(tmp_path) -> None:
     assert len(paths) == 5 and all(found["calls"] > 0 for found in paths.values()), paths
     masked = paths["Ulysses forward, bool mask [B, 1, S, S]"]
     assert masked["calls"] > paths["op pair, no mask"]["calls"] and "mask_policy" in masked["by_function"], masked
+
+
+def test_bench_mask_plan_runs_both_ways(tmp_path) -> None:
+    """The mask-plan benchmark (issue #40, item 3) on the CPU stand-ins: both ways run, right, and the package's
+    plans once per step where the per-layer way plans in every layer."""
+    out = tmp_path / "mask-plan.json"
+    proc = _run("benchmarks/bench_mask_plan.py", "--dry-run", "--release", "0.39.0", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = json.loads(out.read_text())["0.39.0"]
+    plans = {way: row["plans"] for way, row in found["ways"].items()}
+    assert plans == {"package": 1, "per_gathered_tensor": found["stack"]["layers"]}, found
 
 
 def test_probe_dead_rows_runs_its_first_cases(tmp_path) -> None:

@@ -49,6 +49,22 @@ def assert_ulysses_models(result: dict[str, Any], *, device: str) -> None:
                 assert case["rule_passed"], (name, case)
 
 
+#: A layer stack's bf16 result against the same stack in fp32: rounding only (a wrong key is off by far more).
+STACK_TOLERANCE = 5e-2
+
+
+def assert_mask_syncs(result: dict[str, Any], *, device: str) -> None:
+    """Issue #40, item 3: one plan per step for the model's mask where the control planned in every layer; on a GPU
+    the host syncs per step fall by at least one per layer after the first; both ways right."""
+    found = result["ulysses_mask_syncs"]
+    layers = found["stack"]["layers"]
+    package, control = found["ways"]["package"], found["ways"]["per_gathered_tensor"]
+    assert (package["plans"], control["plans"]) == (1, layers), found
+    assert max(package["error"], control["error"]) <= STACK_TOLERANCE, found
+    if device == "cuda":
+        assert package["syncs"] <= control["syncs"] - (layers - 1), found
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("version", RELEASES)
 def test_ulysses_models_on_the_real_kernels(version: str) -> None:
@@ -56,12 +72,15 @@ def test_ulysses_models_on_the_real_kernels(version: str) -> None:
     result.pop("_stderr", None)
     keep(f"gpu-ulysses-models-{version}.json", result)
     assert_ulysses_models(result, device="cuda")
+    assert_mask_syncs(result, device="cuda")
 
 
 CPU_SCRIPT = """
 import json, standin_kernels, gpu_checks
 standin_kernels.register()
-print(json.dumps({"ulysses_models": gpu_checks.ulysses_models(device="cpu")}, default=str))
+result = {"ulysses_models": gpu_checks.ulysses_models(device="cpu")}
+result["ulysses_mask_syncs"] = gpu_checks.ulysses_mask_syncs(device="cpu")
+print(json.dumps(result, default=str))
 """
 
 
@@ -73,6 +92,7 @@ def test_ulysses_models_check_runs_on_the_cpu_standins(skip: str | None) -> None
     result = run(release_dir("0.42.1"), CPU_SCRIPT, timeout=300, env=env)
     if skip is None:
         assert_ulysses_models(result, device="cpu")
+        assert_mask_syncs(result, device="cpu")
         return
     assert not result["ulysses_models"]["backward_replaced"], result["ulysses_models"]
     cases = result["ulysses_models"]["cases"]

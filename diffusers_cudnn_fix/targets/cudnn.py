@@ -67,7 +67,8 @@ def forward_op(shipped: Any, broken: frozenset[str], gqa_refused: bool, restorin
     def cudnn_attention_forward_op(
         ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
         dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-        return_lse: bool = False, _save_ctx: bool = True, _parallel_config: Any = None,
+        return_lse: bool = False, _save_ctx: bool = True, _parallel_config: Any = None, *,
+        mask_mode_read: str | None = None, mask_gathered_from: torch.Tensor | None = None,
     ) -> Any:  # fmt: skip
         # A call diffusers' op refuses itself (enable_gqa) goes to it untouched: its own error, not one of the guards'.
         if not (enable_gqa and gqa_refused):
@@ -81,7 +82,9 @@ def forward_op(shipped: Any, broken: frozenset[str], gqa_refused: bool, restorin
                 if dtypes:
                     refuse_unsupported_dtypes(query, key, value, None)
                 if masks and attn_mask is not None:
-                    mode, given = mask_mode(), attn_mask  # the mode read once per call, for the policy and the trim
+                    # The mode read once per call, for the policy and the trim (the Ulysses forward hands the op
+                    # the mode it read, and the mask diffusers gathered this one from).
+                    mode, given = mask_mode_read or mask_mode(), attn_mask
                     # A mask already in the dtype the op computes in (q's, cast above) is what the policy would
                     # return as it is: decided where it entered Ulysses, or passed so. The policy runs for any other,
                     # and for verify's count.
@@ -91,6 +94,7 @@ def forward_op(shipped: Any, broken: frozenset[str], gqa_refused: bool, restorin
                         key, value, attn_mask = trim(
                             ctx, query, key, value, given, attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             save_ctx=_save_ctx, parallel_config=_parallel_config, restoring=restoring, mode=mode,
+                            gathered_from=mask_gathered_from,
                         )  # fmt: skip
                 # A new per-call step on the mask the kernel gets goes here.
                 # Views at an odd offset reach the kernel as they are on every release: hand it aligned memory.

@@ -5,7 +5,8 @@ forward (both classes), for a mask tensor unless diffusers' op refuses the call 
 ``qwen_joint_mask_order`` (:func:`in_kv_order`; through ``ulysses_anything`` a refusal) ->
 ``ulysses_mask_grad`` (:func:`refuse_mask_grad`, a mask that requires grad; plain Ulysses only: the
 ``anything`` backward raises rather than give a mask no gradient) -> ``cudnn_bool_mask`` (the cuDNN
-op's :func:`mask_policy`, before diffusers gathers the mask) -> ``ulysses_head_mask`` (plain Ulysses: the op
+op's :func:`mask_policy`, before diffusers gathers the mask; the op is handed the mode read and that mask, for
+which its key-padding plan is kept: ``_key_padding.plan_of``) -> ``ulysses_head_mask`` (plain Ulysses: the op
 diffusers' forward calls is handed, of a per-head mask, this rank's heads, :func:`cut_to_rank`, after diffusers
 gathered it) -> [a new step on the mask goes here] -> diffusers' forward. backward: diffusers' backward, or with
 ``ulysses_kv_length`` the package's own (:func:`routed_back`, as many gradients as diffusers' returns) ->
@@ -17,6 +18,7 @@ recognised among them by identity, and what it needs is read off its :class:`For
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -110,10 +112,10 @@ def forward(shipped: Any, broken: frozenset[str], meets: dict[Any, ForwardOp], *
     def ulysses_attention_forward(
         ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        op = args[_FORWARD_OP_AFTER_MASK] if len(args) > _FORWARD_OP_AFTER_MASK else kwargs.get("forward_op")
+        op: Any = args[_FORWARD_OP_AFTER_MASK] if len(args) > _FORWARD_OP_AFTER_MASK else kwargs.get("forward_op")
         gqa = args[_GQA_AFTER_MASK] if len(args) > _GQA_AFTER_MASK else kwargs.get("enable_gqa", False)
         config = args[_CONFIG_AFTER_MASK] if len(args) > _CONFIG_AFTER_MASK else kwargs.get("_parallel_config")
-        needs = meets.get(op)
+        needs, handed = meets.get(op), op
         # An input diffusers' op refuses itself (enable_gqa) gets diffusers' own error, not one of the guards'.
         if isinstance(attn_mask, torch.Tensor) and not (gqa and needs is not None and needs.refuses_gqa):
             if qwen:
@@ -122,10 +124,15 @@ def forward(shipped: Any, broken: frozenset[str], meets: dict[Any, ForwardOp], *
                 refuse_mask_grad(attn_mask)
             # A mask that requires grad goes on as it came: with the mask-grad guard off, the op's policy refuses it.
             if needs is not None and needs.converts_masks and not attn_mask.requires_grad:
-                attn_mask = mask_policy(query, key, value, attn_mask, mask_mode())
+                mode = mask_mode()
+                attn_mask = mask_policy(query, key, value, attn_mask, mode)
+                # The op is handed the mode read here and the mask diffusers may gather: its plan is kept for the
+                # mask the model hands every layer, not for each layer's gathered copy (_key_padding.plan_of).
+                op = functools.partial(op, mask_mode_read=mode, mask_gathered_from=attn_mask)
             if heads and op is not None and per_head(attn_mask, query, config):
                 # diffusers' forward gathers the mask (every rank's whole one) before the op: the op cuts it.
                 op = cut_to_rank(op, config)
+            if op is not handed:
                 if len(args) > _FORWARD_OP_AFTER_MASK:
                     args = (*args[:_FORWARD_OP_AFTER_MASK], op, *args[_FORWARD_OP_AFTER_MASK + 1 :])
                 else:
