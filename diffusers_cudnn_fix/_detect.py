@@ -496,14 +496,15 @@ def call_ulysses(
 
 
 def mask_entering(
-    lookup: Lookup, name: str, mask: torch.Tensor, *, passes: tuple[type[Exception], ...] = (), **call: Any
-) -> torch.Tensor | str:
+    lookup: Lookup, name: str, mask: torch.Tensor, *, passes: tuple[type[Exception], ...] = (),
+    seams: dict[str, Any] | None = None, **call: Any,
+) -> torch.Tensor | str:  # fmt: skip
     """The mask diffusers' own Ulysses forward at ``name`` receives when the forward ``lookup`` shows there is called
     with ``mask`` (:func:`call_ulysses` with ``call``): ``mask`` itself where that is diffusers' own; where it is a
     replacement, what it hands diffusers': the replacement is built around a stand-in that stops there
-    (``_fix.built_of``). Else a text saying what happened instead. ``passes``: exceptions the caller handles
-    itself (raised on, not turned into a text)."""
-    stopping = built_of(lookup, name, _reach_op)
+    (``_fix.built_of``, with ``seams``). Else a text saying what happened instead. ``passes``: exceptions the
+    caller handles itself (raised on, not turned into a text)."""
+    stopping = built_of(lookup, name, _reach_op, **(seams or {}))
     if stopping is None:
         return f"the replacement of {name} could not be built around a stand-in"
     try:
@@ -523,18 +524,19 @@ def _reach_gather(out: list[torch.Tensor], tensor: torch.Tensor, group: Any = No
 
 def op_reached(
     lookup: Lookup, name: str, mask: torch.Tensor, *, stand_ins: dict[str, Any] | None = None, gather: bool = False,
-    shipped: bool = False, **call: Any,
+    shipped: bool = False, seams: dict[str, Any] | None = None, **call: Any,
 ) -> ReachedOp | str:  # fmt: skip
     """Call the Ulysses forward ``lookup`` shows at ``name`` (``shipped``: diffusers' own whatever it shows) with
     stand-in collectives (:func:`with_stand_ins`; ``stand_ins``, default :data:`ULYSSES_STAND_INS`) and ``mask``
     (:func:`call_ulysses` on :data:`FAKE_MESH` with ``call``): what its attention op raised, with the mask it was
     handed (``gather``: what stopped it at diffusers' all-gather of the mask, with the tensor gathered; the call's
-    ``forward_op`` then must not be the default); else a text saying what happened instead."""
+    ``forward_op`` then must not be the default); else a text saying what happened instead. ``seams``: a
+    replacement's collaborators (:func:`with_stand_ins`)."""
     overrides = dict(ULYSSES_STAND_INS if stand_ins is None else stand_ins)
     if gather:
         overrides["dist"] = types.SimpleNamespace(**{**vars(overrides["dist"]), "all_gather": _reach_gather})
     view: Lookup = (lambda n: shipped_of(lookup, n)) if shipped else lookup
-    forward = with_stand_ins(view, name, overrides)
+    forward = with_stand_ins(view, name, overrides, **(seams or {}))
     if isinstance(forward, str):
         return forward
     try:

@@ -44,21 +44,27 @@ FORWARD_POLICIES = frozenset({cudnn_forward_lse.FIX_ID, cudnn_input_dtypes.FIX_I
 BACKWARD_POLICIES = frozenset({cudnn_backward_kv.FIX_ID, cudnn_masked_row_grads.FIX_ID})
 
 
-def build(shipped: Lookup, broken: frozenset[str], gqa_refused: Callable[[str], bool]) -> dict[str, Any]:
+def build(
+    shipped: Lookup, broken: frozenset[str], gqa_refused: Callable[[str], bool], mask_mode: str | None = None
+) -> dict[str, Any]:
     """The cuDNN op replacements; ``gqa_refused(op)``: whether diffusers' op ``op`` raises its own error for
-    ``enable_gqa``."""
+    ``enable_gqa``; ``mask_mode``: the forward's mask mode (:func:`forward_op`)."""
     backward = backward_op(shipped(CUDNN_BACKWARD), broken) if broken & BACKWARD_POLICIES else None
     if not broken & FORWARD_POLICIES:
         return {} if backward is None else {CUDNN_BACKWARD: backward}
-    forward = forward_op(shipped(CUDNN_FORWARD), broken, gqa_refused(CUDNN_FORWARD), backward)
+    forward = forward_op(shipped(CUDNN_FORWARD), broken, gqa_refused(CUDNN_FORWARD), backward, mask_mode)
     return {CUDNN_FORWARD: forward} if backward is None else {CUDNN_FORWARD: forward, CUDNN_BACKWARD: backward}
 
 
-def forward_op(shipped: Any, broken: frozenset[str], gqa_refused: bool, restoring: Any = None) -> Any:
+def forward_op(
+    shipped: Any, broken: frozenset[str], gqa_refused: bool, restoring: Any = None, built_mode: str | None = None
+) -> Any:
     """diffusers' cuDNN forward op ``shipped`` with the policies of the ``broken`` fixes. ``gqa_refused``: whether
     ``shipped`` raises its own error for ``enable_gqa``. ``restoring``: the package's backward op built with it,
     which scatters the K/V gradients of trimmed keys back: only a call whose context will run it has its padded
-    keys trimmed (``_key_padding``)."""
+    keys trimmed (``_key_padding``). ``built_mode``: the mask mode it always runs in, without the mode's notices
+    (a check's); default the user's switch, read at each call unless the caller hands the op the mode it read
+    (``mask_mode_read``: the Ulysses forward, which said the notice)."""
     correct = cudnn_forward_lse.FIX_ID in broken
     dtypes = cudnn_input_dtypes.FIX_ID in broken
     masks = cudnn_bool_mask.FIX_ID in broken
@@ -84,12 +90,13 @@ def forward_op(shipped: Any, broken: frozenset[str], gqa_refused: bool, restorin
                 if masks and attn_mask is not None:
                     # The mode read once per call, for the policy and the trim (the Ulysses forward hands the op
                     # the mode it read, and the mask diffusers gathered this one from).
-                    mode, given = mask_mode_read or mask_mode(), attn_mask
+                    mode, given = built_mode or mask_mode_read or mask_mode(), attn_mask
                     # A mask already in the dtype the op computes in (q's, cast above) is what the policy would
                     # return as it is: decided where it entered Ulysses, or passed so. The policy runs for any other,
                     # and for verify's count.
                     if attn_mask.dtype != query.dtype or attn_mask.requires_grad or _ledger.recording:
-                        attn_mask = mask_policy(query, key, value, attn_mask, mode)
+                        notify = not (built_mode or mask_mode_read)
+                        attn_mask = mask_policy(query, key, value, attn_mask, mode, notify=notify)
                     if attn_mask is not None:  # a mask that only pads keys: the valid keys alone (convert mode)
                         key, value, attn_mask = trim(
                             ctx, query, key, value, given, attn_mask, dropout_p=dropout_p, is_causal=is_causal,

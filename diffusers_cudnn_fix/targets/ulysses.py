@@ -27,7 +27,7 @@ import torch
 
 from .. import _ledger
 from .._fix import Lookup
-from .._switches import mask_mode
+from .._switches import mask_mode as read_mask_mode
 from ..fixes import (
     CUDNN_FORWARD,
     FLASH_FORWARD,
@@ -68,14 +68,14 @@ class ForwardOp:
 
 def build(
     shipped: Lookup, broken: frozenset[str], ops: dict[str, Any], facts: Any, *, diffusers: Any = None,
-    all_to_all: Callable[..., Any] | None = None,
+    all_to_all: Callable[..., Any] | None = None, mask_mode: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The replacements for the ``broken`` fixes; ``ops``: the package's replacements of diffusers' ops, by target;
     ``facts``: what was read off diffusers' code (``targets.Facts``: ``gqa_refused(op)``, whether diffusers' op
     ``op`` raises its own error for ``enable_gqa``; the Ulysses forward's inputs; the gradients diffusers' backward
-    returns); ``all_to_all``: the
-    collective the Ulysses backward routes gradients with (default: diffusers' ``_all_to_all_single`` as its
-    attention module, ``diffusers``, holds it at each call, as diffusers' own backward reads it)."""
+    returns); ``all_to_all``: the collective the Ulysses backward routes gradients with (default: diffusers'
+    ``_all_to_all_single`` as its attention module, ``diffusers``, holds it at each call, as diffusers' own backward
+    reads it); ``mask_mode``: the forwards' mask mode (:func:`forward`)."""
     converts = CUDNN_FORWARD if cudnn_bool_mask.FIX_ID in broken else None
     meets = {
         ops[name]: ForwardOp(facts.gqa_refused(name), name == converts)
@@ -84,9 +84,11 @@ def build(
     }
     built: dict[str, Any] = {}
     if broken & FORWARD_POLICIES and shipped(ULYSSES_FORWARD) is not None:
-        built[ULYSSES_FORWARD] = staticmethod(forward(shipped(ULYSSES_FORWARD), broken, meets))
+        built[ULYSSES_FORWARD] = staticmethod(forward(shipped(ULYSSES_FORWARD), broken, meets, mask_mode=mask_mode))
     if broken & ANYTHING_POLICIES and shipped(ULYSSES_ANYTHING_FORWARD) is not None:
-        anything = forward(shipped(ULYSSES_ANYTHING_FORWARD), broken & ANYTHING_POLICIES, meets, anything=True)
+        anything = forward(
+            shipped(ULYSSES_ANYTHING_FORWARD), broken & ANYTHING_POLICIES, meets, anything=True, mask_mode=mask_mode
+        )
         built[ULYSSES_ANYTHING_FORWARD] = staticmethod(anything)
     if (
         qwen_joint_mask_order.FIX_ID in broken and shipped(QWEN_PROCESSOR) is not None
@@ -102,9 +104,14 @@ def build(
     return built
 
 
-def forward(shipped: Any, broken: frozenset[str], meets: dict[Any, ForwardOp], *, anything: bool = False) -> Any:
+def forward(
+    shipped: Any, broken: frozenset[str], meets: dict[Any, ForwardOp], *, anything: bool = False,
+    mask_mode: str | None = None,
+) -> Any:  # fmt: skip
     """diffusers' Ulysses forward ``shipped`` (``anything``: ``TemplatedUlyssesAnythingAttention``'s) with the
-    policies of the ``broken`` fixes on the mask; ``meets``: the package's forward ops it may be handed."""
+    policies of the ``broken`` fixes on the mask; ``meets``: the package's forward ops it may be handed;
+    ``mask_mode``: the mask mode it always runs in, without the mode's notices (a check's); default the user's
+    switch, read at each call."""
     qwen = qwen_joint_mask_order.FIX_ID in broken
     grad = ulysses_mask_grad.FIX_ID in broken
     heads = ulysses_head_mask.FIX_ID in broken  # not in ANYTHING_POLICIES: ulysses_anything is left as shipped
@@ -124,8 +131,8 @@ def forward(shipped: Any, broken: frozenset[str], meets: dict[Any, ForwardOp], *
                 refuse_mask_grad(attn_mask)
             # A mask that requires grad goes on as it came: with the mask-grad guard off, the op's policy refuses it.
             if needs is not None and needs.converts_masks and not attn_mask.requires_grad:
-                mode = mask_mode()
-                attn_mask = mask_policy(query, key, value, attn_mask, mode)
+                mode = mask_mode or read_mask_mode()
+                attn_mask = mask_policy(query, key, value, attn_mask, mode, notify=mask_mode is None)
                 # The op is handed the mode read here and the mask diffusers may gather: its plan is kept for the
                 # mask the model hands every layer, not for each layer's gathered copy (_key_padding.plan_of).
                 op = functools.partial(op, mask_mode_read=mode, mask_gathered_from=attn_mask)
