@@ -98,7 +98,7 @@ def plan(mask: torch.Tensor, dtype: torch.dtype) -> Plan:
     return Plan("gather", 0, most, index, bias)
 
 
-def plan_of(given: torch.Tensor, dtype: torch.dtype, gathered_from: torch.Tensor | None, config: Any) -> Plan:
+def plan_of(given: torch.Tensor, dtype: torch.dtype, gathered_from: torch.Tensor, config: Any) -> Plan:
     """The plan for ``given``, kept for the mask it was made from. Under Ulysses, diffusers all-gathers a
     sequence-local mask into a new tensor in every layer; the layers share the mask the model handed them,
     ``gathered_from``, so the plan is kept for that one: one host sync per mask per step, not per layer.
@@ -107,8 +107,6 @@ def plan_of(given: torch.Tensor, dtype: torch.dtype, gathered_from: torch.Tensor
     without a sync. So each later layer checks, on the device and without waiting, that it equals the first one
     (``torch._assert_async``): a rank whose mask changed while this one's did not stops the run (on a GPU a
     device-side assert) instead of training on a stale plan."""
-    if gathered_from is None or gathered_from is given:
-        return remembered(plan, given, dtype)
     # The plan is kept for gathered_from (its id and version), per dtype, gathered shape and parallel config.
     first, found = remembered(_planned, given, (dtype, tuple(given.shape), id(config)), gathered_from)
     if first is not given:  # trim() runs no plan while compiling
@@ -165,7 +163,10 @@ def trim(
         or mode != "convert"
     ):
         return key, value, mask
-    found = plan_of(given, mask.dtype, gathered_from, parallel_config)
+    if gathered_from is None or gathered_from is given:
+        found = remembered(plan, given, mask.dtype)
+    else:  # under Ulysses, where diffusers may have gathered it
+        found = plan_of(given, mask.dtype, gathered_from, parallel_config)
     kind = found.kind
     if kind == "bias" or (found.n == 1 and query.shape[1] == 1):  # cuDNN refuses S_q = S_kv = 1
         return key, value, mask

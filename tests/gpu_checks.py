@@ -490,7 +490,7 @@ def ulysses_mask_syncs(
         return real_plan(mask, dtype)
 
     def per_gathered_tensor(given: Any, dtype: Any, source: Any, config: Any) -> Any:
-        return real_plan_of(given, dtype, None, config)
+        return _key_padding.remembered(_key_padding.plan, given, dtype)  # kept for the gathered tensor alone
 
     def step(exact: bool = False) -> torch.Tensor:
         mask = keep.to(device, copy=True)  # the model's mask: a new one each step, handed to every layer

@@ -9,8 +9,7 @@ thread per rank (``harness.ThreadedUlysses``), on the package's cuDNN ops with t
 bf16. Each rank runs the layers of a model that hands every layer its own slice of one padded-prompt bool mask:
 
 * ``plans``: the plans computed (``_key_padding.plan``, counted) over every layer of both ranks: one per rank.
-  The control is the old keying (the plan kept for each gathered tensor, ``plan_of`` handed no source): one per
-  layer and rank.
+  The control is the old keying (the plan kept for each gathered tensor alone): one per layer and rank.
 * every layer's output and q/k/v gradients match attention over the whole sequence, within bf16 rounding.
 * ``changed``: rank 1 changes its mask in place between two layers while rank 0 keeps its own. Rank 0's kept plan
   would be stale: the run is stopped by ``plan_of``'s device-side check (a ``RuntimeError`` naming the cause on the
@@ -47,8 +46,7 @@ def counted(mask, dtype):
     return real_plan(mask, dtype)
 _key_padding.plan = counted
 if CONTROL == "per_tensor":  # the old keying: each gathered tensor planned on its own
-    real_plan_of = _key_padding.plan_of
-    _key_padding.plan_of = lambda given, dtype, source, config: real_plan_of(given, dtype, None, config)
+    _key_padding.plan_of = lambda given, dtype, source, config: _key_padding.remembered(_key_padding.plan, given, dtype)
 if CONTROL == "unchecked":  # the kept plan without the check that every layer's gather is the same
     real_assert = torch._assert_async
     torch._assert_async = lambda *args: None
