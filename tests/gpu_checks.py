@@ -23,6 +23,7 @@ import os
 import tempfile
 import types
 import warnings
+from collections import Counter
 from typing import Any
 
 import diffusers.models.attention_dispatch as module
@@ -450,10 +451,13 @@ def ulysses_mask_syncs(
     in every layer (0.39+). Two ways, steps interleaved: ``package`` (the key-padding plan kept for the model's mask:
     ``_key_padding.plan_of``) and ``per_gathered_tensor`` (the control, as before: kept for each layer's gathered
     copy). Per way: ``plans`` per step (``_key_padding.plan`` counted), ``syncs`` per step (CUDA only:
-    ``torch.cuda.set_sync_debug_mode("warn")``'s warnings, in the steps after the warm-up), ``step_ms`` (median;
-    forward and backward of the stack) and the step's largest relative error against the same stack in fp32 eager
-    attention. ``stack`` and ``steps``: default :data:`MASK_SYNC_STACK` and :data:`MASK_SYNC_STEPS` for ``device``
-    (``benchmarks/bench_mask_plan.py`` hands others)."""
+    ``torch.cuda.set_sync_debug_mode("warn")``'s warnings, in the steps after the warm-up) and ``sync_sites``
+    (where they were raised, file:line, summed over the steps), ``step_ms`` (median; forward and backward of the
+    stack) and the largest relative error of the input gradient against the same stack in fp32 eager attention
+    (meaningful for a shallow stack: a deep one of random layers amplifies rounding). ``ways_differ_by``: the
+    largest difference between the two ways' input gradients. ``stack`` and ``steps``: default
+    :data:`MASK_SYNC_STACK` and :data:`MASK_SYNC_STEPS` for ``device`` (``benchmarks/bench_mask_plan.py`` hands
+    others)."""
     import statistics
     import time
 
@@ -514,13 +518,17 @@ def ulysses_mask_syncs(
             warnings.simplefilter("ignore")  # the bool mask's conversion notice
             golden = step(exact=True)
             ways = {"package": real_plan_of, "per_gathered_tensor": per_gathered_tensor}
+            grads = {}
             for way, plan_of in ways.items():  # warm-up (the probe runs on the first CUDA call), and the error
                 _key_padding.plan_of = plan_of
-                got = step()
+                grads[way] = got = step()
                 results[way] = {"error": ((got.float() - golden).abs().max() / golden.abs().max()).item()}
+            # The same plan, so the same kernels on the same keys: the two ways' gradients are the same.
+            differ_by = (grads["package"] - grads["per_gathered_tensor"]).abs().max().item()
             times: dict[str, list[float]] = {way: [] for way in ways}
             counts: dict[str, list[int]] = {way: [] for way in ways}
             syncs: dict[str, list[int]] = {way: [] for way in ways}
+            sites: dict[str, Counter[str]] = {way: Counter() for way in ways}  # where they were, summed over steps
             for _ in range(MASK_SYNC_STEPS[device] if steps is None else steps):
                 for way, plan_of in ways.items():
                     _key_padding.plan_of = plan_of
@@ -540,19 +548,21 @@ def ulysses_mask_syncs(
                         if device == "cuda":
                             torch.cuda.synchronize()
                         times[way].append((time.perf_counter() - start) * 1e3)
-                    syncs[way].append(sum("synchronizing" in str(w.message) for w in seen))
+                    synced = [w for w in seen if "synchronizing" in str(w.message)]
+                    syncs[way].append(len(synced))
+                    sites[way].update(f"{os.path.basename(w.filename)}:{w.lineno}" for w in synced)
                     counts[way].append(len(plans))
             for way in ways:
                 results[way] |= {
                     "plans": max(counts[way]), "syncs": max(syncs[way]) if device == "cuda" else None,
-                    "step_ms": statistics.median(times[way]),
+                    "step_ms": statistics.median(times[way]), "sync_sites": dict(sites[way]),
                 }  # fmt: skip
     finally:
         _key_padding.plan, _key_padding.plan_of = real_plan, real_plan_of
         if started:
             dist.destroy_process_group()
     shape = dict(zip(("batch", "tokens", "heads", "head_dim", "layers"), stack, strict=True))
-    return {"stack": shape, "padding": MASK_SYNC_PADDING, "ways": results}
+    return {"stack": shape, "padding": MASK_SYNC_PADDING, "ways": results, "ways_differ_by": differ_by}
 
 
 def main_ulysses_models() -> None:
