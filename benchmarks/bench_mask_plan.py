@@ -55,7 +55,7 @@ def main() -> int:
             syncs = "-" if row["syncs"] is None else row["syncs"]
             timed = "(dry run)" if args.dry_run else f"{row['step_ms']:8.2f} ms"
             print(f"  {way:<20} plans {row['plans']:>3}  syncs {syncs:>4}  step {timed}  error {row['error']:.2e}")
-        print(f"  the two ways' input gradients differ by at most {found['ways_differ_by']:.3g}")
+        print(f"  the two ways' input gradients differ by at most {found['ways_differ_by']:.3g} (relative)")
         if not args.dry_run:
             ratio = ways["per_gathered_tensor"]["step_ms"] / ways["package"]["step_ms"]
             print(f"  step time, one plan per layer / the package's: {ratio:.3f}")

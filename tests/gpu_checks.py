@@ -455,9 +455,9 @@ def ulysses_mask_syncs(
     (where they were raised, file:line, summed over the steps), ``step_ms`` (median; forward and backward of the
     stack) and the largest relative error of the input gradient against the same stack in fp32 eager attention
     (meaningful for a shallow stack: a deep one of random layers amplifies rounding). ``ways_differ_by``: the
-    largest difference between the two ways' input gradients. ``stack`` and ``steps``: default
-    :data:`MASK_SYNC_STACK` and :data:`MASK_SYNC_STEPS` for ``device`` (``benchmarks/bench_mask_plan.py`` hands
-    others)."""
+    largest difference between the two ways' input gradients, relative to the control's largest. ``stack`` and
+    ``steps``: default :data:`MASK_SYNC_STACK` and :data:`MASK_SYNC_STEPS` for ``device``
+    (``benchmarks/bench_mask_plan.py`` hands others)."""
     import statistics
     import time
 
@@ -524,7 +524,8 @@ def ulysses_mask_syncs(
                 grads[way] = got = step()
                 results[way] = {"error": ((got.float() - golden).abs().max() / golden.abs().max()).item()}
             # The same plan, so the same kernels on the same keys: the two ways' gradients are the same.
-            differ_by = (grads["package"] - grads["per_gathered_tensor"]).abs().max().item()
+            gap = (grads["package"] - grads["per_gathered_tensor"]).abs().max()
+            differ_by = (gap / grads["per_gathered_tensor"].abs().max()).item()
             times: dict[str, list[float]] = {way: [] for way in ways}
             counts: dict[str, list[int]] = {way: [] for way in ways}
             syncs: dict[str, list[int]] = {way: [] for way in ways}
