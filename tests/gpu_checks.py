@@ -335,6 +335,19 @@ def main_ring_masks() -> None:
 #: The Ulysses cases at world size 1 (issue #42): (batch, query tokens, key tokens, heads, head dim), keys shorter than
 #: the queries (cross-attention to text, as LTX's): the threaded ring's head dim, and a real model's (a CLIP-length
 #: prompt of 77 tokens, 8 heads of 64).
+def _one_process_group(device: str) -> bool:
+    """Start a process group of this process alone (NCCL on CUDA, gloo on the CPU) unless one is up; whether it
+    started one (the caller then destroys it)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    store = tempfile.NamedTemporaryFile(delete=False)
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store.name}", rank=0, world_size=1)
+    return True
+
+
 ULYSSES_SHAPES = {"tiny": (2, 64, 24, 2, 8), "model": (1, 256, 77, 8, 64)}
 
 
@@ -369,11 +382,7 @@ def ulysses_models(device: str = "cuda") -> dict[str, Any]:
     if not hasattr(module, "TemplatedUlyssesAttention"):
         return {"status": "absent"}
     diffusers_cudnn_fix.apply()
-    started = not dist.is_initialized()
-    if started:
-        store = tempfile.NamedTemporaryFile(delete=False)
-        backend = "nccl" if device == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"file://{store.name}", rank=0, world_size=1)
+    started = _one_process_group(device)
     config = ulysses_config(init_device_mesh(device, (1,)))
     cls = module.TemplatedUlyssesAttention
     shipped = diffusers_cudnn_fix.get_original("TemplatedUlyssesAttention.backward").__func__
@@ -470,12 +479,7 @@ def ulysses_mask_syncs(
     if not hasattr(module, "TemplatedUlyssesAttention"):
         return {"status": "absent"}
     diffusers_cudnn_fix.apply()
-    started = not dist.is_initialized()
-    if started:
-        store = tempfile.NamedTemporaryFile(delete=False)
-        dist.init_process_group(
-            "nccl" if device == "cuda" else "gloo", init_method=f"file://{store.name}", rank=0, world_size=1
-        )
+    started = _one_process_group(device)
     config = ulysses_config(init_device_mesh(device, (1,)))
     stack = MASK_SYNC_STACK[device] if stack is None else stack
     batch, seq, heads, dim, layers = stack
