@@ -14,6 +14,9 @@ bf16. Each rank runs the layers of a model that hands every layer its own slice 
 * ``changed``: rank 1 changes its mask in place between two layers while rank 0 keeps its own. Rank 0's kept plan
   would be stale: the run is stopped by ``plan_of``'s device-side check (a ``RuntimeError`` naming the cause on the
   CPU), never trained on silently. With the check taken out (the control) rank 0's output is wrong.
+* A property search (hypothesis) over degrees, batch, lengths, layers, bool and additive masks and a rank changing
+  its slice: every layer a rank finishes is right, and a run stops only where a kept plan met changed values. Its
+  control (the check taken out) finds a silently wrong layer.
 """
 
 from __future__ import annotations
@@ -165,3 +168,140 @@ def test_a_mask_changed_on_one_rank_stops_the_run(version: str) -> None:
     control = _run(version, "unchecked")
     assert control["changed_raised"] == [None, None], control
     assert control["changed_error"] > 10 * TOLERANCE, control
+
+
+SEARCH = r"""
+import json, threading, types, warnings
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings, strategies as st
+import diffusers.models.attention_dispatch as m
+import standin_kernels
+import diffusers_cudnn_fix
+from harness import ThreadedUlysses, seeing
+
+standin_kernels.register()
+warnings.simplefilter("ignore")
+diffusers_cudnn_fix.apply()
+if {unchecked!r}:  # the control: the kept plan without its check
+    torch._assert_async = lambda *args: None
+forward_op, backward_op = m._cudnn_attention_forward_op, m._cudnn_attention_backward_op
+STALE = "changed between layers"
+TOLERANCE = {tolerance!r}
+seen = {{"examples": 0, "changed": 0, "stopped": 0}}
+
+def attention(q, k, v, grad_out, keep):
+    full = [x.float().clone().requires_grad_() for x in (q, k, v)]
+    out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in full), attn_mask=keep).transpose(1, 2)
+    out.backward(grad_out.float())
+    return [out.detach(), *(x.grad for x in full)]
+
+@st.composite
+def examples(draw):
+    world, batch, seq = draw(st.sampled_from([2, 3])), draw(st.integers(1, 2)), draw(st.integers(2, 4))
+    layers = draw(st.integers(1, 3))
+    flags = st.lists(st.booleans(), min_size=world * seq, max_size=world * seq)
+    keep = [draw(flags.filter(any)) for _ in range(batch)]  # every element attends to some key
+    change = None
+    if layers > 1 and draw(st.booleans()):
+        rank = draw(st.integers(0, world - 1))
+        new = [list(row) for row in keep]
+        for b in range(batch):
+            new[b][rank * seq : (rank + 1) * seq] = draw(st.lists(st.booleans(), min_size=seq, max_size=seq))
+        if all(any(row) for row in new):
+            change = {{"rank": rank, "layer": draw(st.integers(1, layers - 1)), "keep": new}}
+    kind = draw(st.sampled_from(["bool", "additive"]))
+    return {{"world": world, "batch": batch, "seq": seq, "layers": layers, "keep": keep, "change": change,
+            "kind": kind, "seed": draw(st.integers(0, 2**16))}}
+
+def as_mask(keep, kind):
+    mask = torch.tensor(keep, dtype=torch.bool)[:, None, None, :]
+    return mask if kind == "bool" else torch.zeros(mask.shape).masked_fill(~mask, float("-inf")).to(torch.bfloat16)
+
+@settings(max_examples={examples}, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(examples())
+def test(ex):
+    seen["examples"] += 1
+    world, seq, heads = ex["world"], ex["seq"], ex["world"]
+    gen = torch.Generator().manual_seed(ex["seed"])
+    q, k, v, grad_out = (torch.randn(ex["batch"], seq * world, heads, 8, generator=gen).to(torch.bfloat16)
+                         for _ in range(4))
+    masks = [as_mask(ex["keep"], ex["kind"])]
+    if ex["change"]:
+        masks.append(as_mask(ex["change"]["keep"], ex["kind"]))
+        seen["changed"] += 1
+    collectives = ThreadedUlysses(world)
+    forward, backward = (seeing(m, f"TemplatedUlyssesAttention.{{name}}", collectives.overrides,
+                                all_to_all=collectives.all_to_all_single) for name in ("forward", "backward"))
+    results = [None] * world
+    def rank_main(rank):
+        cp = types.SimpleNamespace(_ulysses_mesh=collectives.mesh(rank), _ulysses_local_rank=rank,
+                                   ulysses_degree=world, ring_degree=1, _world_size=world, ulysses_anything=False,
+                                   convert_to_fp32=False)
+        config = types.SimpleNamespace(context_parallel_config=cp)
+        mine = slice(rank * seq, (rank + 1) * seq)
+        mask, got = masks[0][..., mine].clone(), []
+        try:
+            for layer in range(ex["layers"]):
+                change = ex["change"]
+                if change and layer == change["layer"] and rank == change["rank"]:
+                    mask.copy_(masks[1][..., mine])
+                ctx = types.SimpleNamespace(needs_input_grad=(True,) * 12)
+                ctx.save_for_backward = lambda *t, ctx=ctx: setattr(ctx, "saved_tensors", t)
+                with torch.no_grad():
+                    out = forward(ctx, q[:, mine], k[:, mine], v[:, mine], mask, 0.0, False, None, False, False,
+                                  forward_op, backward_op, config)
+                    got.append([out, *backward(ctx, grad_out[:, mine])[:3]])
+        except BaseException as exc:
+            got.append(exc)
+            collectives.barrier.abort()
+        results[rank] = got
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stale = [r[-1] for r in results if r and isinstance(r[-1], RuntimeError) and STALE in str(r[-1])]
+    others = [r[-1] for r in results if r and isinstance(r[-1], BaseException)
+              and not isinstance(r[-1], threading.BrokenBarrierError) and r[-1] not in stale]
+    assert not others, others
+    changed = ex["change"] is not None and not torch.equal(masks[0], masks[1])
+    # Stopped only where another rank's mask changed its values under a kept plan.
+    assert not stale or changed, (ex, stale)
+    seen["stopped"] += bool(stale)
+    # Every layer a rank finished is right for the mask in force then.
+    for layer in range(ex["layers"]):
+        if not all(len(r) > layer and not isinstance(r[layer], BaseException) for r in results):
+            assert stale, (ex, layer)
+            break
+        in_force = masks[1] if ex["change"] and layer >= ex["change"]["layer"] else masks[0]
+        golden = attention(q, k, v, grad_out, in_force if in_force.dtype == torch.bool else in_force.float())
+        for i, ref in enumerate(golden):
+            got = torch.cat([r[layer][i].float() for r in results], dim=1)
+            # One valid key gives dq = 0 exactly: relative to at least 1e-2, not to 0.
+            error = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-2)).item()
+            assert error <= TOLERANCE, ("silently wrong", ex, layer, i, error)
+
+test()
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.slow
+def test_search_a_kept_plan_is_right_or_stops() -> None:
+    """Property search (hypothesis) on 0.42.1: Ulysses degree 2 or 3 as threads, 1 – 3 layers, a random key-padding
+    mask (bool or additive, batch 1 or 2, every element attending somewhere), and sometimes one rank changing its
+    slice in place between layers. Every layer each rank finishes is right for the mask in force then; a run stops
+    only with the package's message, and only where a rank's kept plan met a gather whose values changed."""
+    script = SEARCH.format(examples=40, tolerance=TOLERANCE, unchecked=False)
+    result = run(release_dir("0.42.1"), script, preloaded=True, timeout=600)
+    result.pop("_stderr")
+    assert result["examples"] >= 40 and result["changed"] > 0 and result["stopped"] > 0, result
+
+
+@pytest.mark.slow
+def test_the_search_catches_a_kept_plan_without_its_check() -> None:
+    """The control: with the device-side check taken out, the same search finds a layer that is silently wrong."""
+    script = SEARCH.format(examples=40, tolerance=TOLERANCE, unchecked=True)
+    with pytest.raises(AssertionError, match=r"AssertionError: \('silently wrong'"):
+        run(release_dir("0.42.1"), script, preloaded=True, timeout=600)
