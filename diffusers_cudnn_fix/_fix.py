@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from packaging.specifiers import SpecifierSet
@@ -45,10 +45,12 @@ def built_of(lookup: Lookup, name: str, around: Any, **seams: Any) -> Any:
 
 @dataclass(frozen=True)
 class Finding:
-    """What a check says: a state and one sentence of evidence."""
+    """What a check says: a state and one sentence of evidence; ``read``: facts the check read off the code on its
+    way, which the builders would otherwise read again (``targets.Facts``; not part of the finding's identity)."""
 
     state: State
     detail: str
+    read: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)

@@ -280,7 +280,7 @@ def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> None:
     fixes = _fixes()
     findings = check_shipped(module)
     wanted = {i for i, f in findings.items() if f.state == "broken" and i not in skipped}
-    built, failed = _build(module, wanted)
+    built, failed = _build(module, wanted, findings)
     applied = wanted - failed.keys()
     for target, new in built.items():
         _state.originals[target] = raw_get(module, target)
@@ -308,13 +308,13 @@ def _check_and_install(module: ModuleType, skipped: frozenset[str]) -> None:
     _state.seen = {t: raw_get(module, t) for fix in fixes for t in fix.targets}
 
 
-def _build(module: ModuleType, wanted: set[str]) -> tuple[dict[str, Any], dict[str, str]]:
+def _build(module: ModuleType, wanted: set[str], findings: dict[str, Finding]) -> tuple[dict[str, Any], dict[str, str]]:
     """The replacements for the ``wanted`` fixes, every one of which passes its own check on them; the fixes left
-    out, with why."""
+    out, with why. ``findings``: the checks' on the shipped code (what they read there is not read again)."""
     from .targets import Facts, build
 
     wanted, failed = set(wanted), {}
-    facts = Facts(Objects(module))  # read off diffusers' code once, for every build and rebuild below
+    facts = Facts(Objects(module), findings)  # read off diffusers' code once, for every build and rebuild below
     while True:
         try:
             built = build(Objects(module), frozenset(wanted), facts=facts, diffusers=module) if wanted else {}

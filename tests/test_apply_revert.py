@@ -233,6 +233,23 @@ def test_second_apply_rechecks_nothing(patched: types.ModuleType) -> None:
     assert calls == []
 
 
+def test_apply_drives_the_shipped_ring_once(dispatch_module: types.ModuleType, monkeypatch) -> None:
+    """The ring's check on the shipped code reads whether the ring reuses the first step, and the builders take it
+    from that finding (``Finding.read``) instead of driving diffusers' ring again: one drive of the shipped ring
+    and one of the replacement per apply() (three before)."""
+    from diffusers_cudnn_fix.fixes import ring_grad_route
+
+    drives: list[int] = []
+    real = ring_grad_route._drive
+    monkeypatch.setattr(ring_grad_route, "_drive", lambda *a, **k: drives.append(1) or real(*a, **k))
+    diffusers_cudnn_fix.revert()
+    try:
+        diffusers_cudnn_fix.apply()
+    finally:
+        diffusers_cudnn_fix.revert()
+    assert len(drives) == 2, drives
+
+
 @pytest.mark.parametrize("backend", ["cudnn", "flash"])
 def test_replacements_trace_under_torch_compile_fullgraph(dispatch_module: types.ModuleType, backend: str) -> None:
     """The corrected ops compile with fullgraph=True wherever the shipped ones do, and compute the same."""

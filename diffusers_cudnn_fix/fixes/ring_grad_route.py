@@ -300,6 +300,10 @@ def _first_step_problem(seen: dict[str, Any], note: str) -> str | None:
     return f"each ring step's backward sees that step's K/V, but{note}" if note else None
 
 
+#: The key of what :func:`check` read in its finding: whether the ring reuses the first step's tensors.
+REUSES_FIRST_STEP = "reuses_first_step"
+
+
 def reuses_first_step(lookup: Lookup) -> bool:
     """Whether the ring ``lookup`` shows reuses the first step's tensors (0.36-0.39): the corrected ring then
     drives the package's corrected ops, else diffusers' own ops through their keywords (0.40 on)."""
@@ -315,14 +319,16 @@ def check(lookup: Lookup) -> Finding:
     if isinstance(found, Finding):
         return found
     seen, error, note = _run(lookup)
+    problem = None if error is not None else _first_step_problem(seen, note)
+    read = {REUSES_FIRST_STEP: problem is not None}  # as reuses_first_step() would find it, for the builders
     if error is not None or len(seen["chunks"]) != _WORLD:
-        return Finding("unknown", f"the ring attention could not be run as one rank of {_WORLD} ({error or seen})")
-    problem = _first_step_problem(seen, note)
+        detail = f"the ring attention could not be run as one rank of {_WORLD} ({error or seen})"
+        return Finding("unknown", detail, read)
     if problem is not None:
-        return Finding("broken", problem)
+        return Finding("broken", problem, read)
     got = seen["grad_key"].flatten().reshape(-1, _WORLD).mean(dim=0).tolist()
     want = [float(_WORLD)] + [0.0] * (_WORLD - 1)
     steps = f"each ring step's backward sees its K/V and the merged output; K/V gradients sent by maps {seen['routes']}"
     if got != want:
-        return Finding("broken", f"{steps}: rank 0's K gradient sums the chunks {got}, not {want}")
-    return Finding("ok", f"{steps}: every chunk's gradient reaches its owner")
+        return Finding("broken", f"{steps}: rank 0's K gradient sums the chunks {got}, not {want}", read)
+    return Finding("ok", f"{steps}: every chunk's gradient reaches its owner", read)

@@ -8,13 +8,14 @@ place stood in, the other replacements as they are (``siblings``), and the ring'
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 from .._detect import CUDNN_FORWARD_KERNEL, FLASH_FORWARD_KERNEL, input_count, refuses_gqa, run_ulysses_backward
-from .._fix import Lookup
-from ..fixes import CUDNN_FORWARD, FLASH_BACKEND, FLASH_FORWARD, ULYSSES_FORWARD
+from .._fix import Finding, Lookup
+from ..fixes import CUDNN_FORWARD, FLASH_BACKEND, FLASH_FORWARD, ULYSSES_FORWARD, ring_grad_route
 from ..fixes.flash_cp_ignored import refuses_return_lse
-from ..fixes.ring_grad_route import reuses_first_step
+from ..fixes.ring_grad_route import REUSES_FIRST_STEP, reuses_first_step
 from . import cudnn, flash, models, ring, ulysses
 
 
@@ -22,8 +23,9 @@ class Facts:
     """What the builders read off the code diffusers shipped (``shipped``), each computed once, on first use: a
     check's rebuild of a replacement is handed the same facts (its stand-ins are not diffusers' code)."""
 
-    def __init__(self, shipped: Lookup) -> None:
+    def __init__(self, shipped: Lookup, findings: Mapping[str, Finding] | None = None) -> None:
         self.shipped = shipped
+        self.findings = findings or {}  # the checks' findings on the shipped code, where they were run already
         self._gqa: dict[str, bool] = {}
 
     def gqa_refused(self, op: str) -> bool:
@@ -55,7 +57,11 @@ class Facts:
 
     @functools.cached_property
     def ring_reuses_first_step(self) -> bool:
-        """Whether diffusers' ring reuses the first step's tensors in every step (0.36 - 0.39)."""
+        """Whether diffusers' ring reuses the first step's tensors in every step (0.36 - 0.39): as the ring's check
+        on the shipped code read it, else found by running that ring."""
+        finding = self.findings.get(ring_grad_route.FIX_ID)
+        if finding is not None and REUSES_FIRST_STEP in finding.read:
+            return bool(finding.read[REUSES_FIRST_STEP])
         return reuses_first_step(self.shipped)
 
 
