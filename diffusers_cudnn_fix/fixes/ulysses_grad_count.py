@@ -16,6 +16,10 @@ from . import ULYSSES_BACKWARD, ULYSSES_FORWARD
 FIX_ID = __name__.rpartition(".")[2]
 
 
+#: The keys of what :func:`check` read in its finding: the Ulysses forward's inputs, the backward's gradients.
+INPUTS, RETURNED = "ulysses_inputs", "ulysses_returned"
+
+
 def check(lookup: Lookup) -> Finding:
     forward, backward = lookup(ULYSSES_FORWARD), lookup(ULYSSES_BACKWARD)
     if forward is None or backward is None:
@@ -26,8 +30,9 @@ def check(lookup: Lookup) -> Finding:
     grads, error = _detect.run_ulysses_backward(lookup)
     if grads is None:
         return Finding("unknown", f"the Ulysses backward could not be run in one process ({error})")
+    read = {INPUTS: inputs, RETURNED: len(grads)}  # for the builders (targets.Facts), on the shipped code
     if len(grads) != inputs:
         # Fewer is the bug; more is a build this check does not know.
         state: State = "broken" if len(grads) < inputs else "unknown"
-        return Finding(state, f"the Ulysses backward returns {len(grads)} gradients for {inputs} inputs")
-    return Finding("ok", f"the Ulysses backward returns one gradient per input ({inputs})")
+        return Finding(state, f"the Ulysses backward returns {len(grads)} gradients for {inputs} inputs", read)
+    return Finding("ok", f"the Ulysses backward returns one gradient per input ({inputs})", read)

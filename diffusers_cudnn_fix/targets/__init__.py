@@ -13,7 +13,7 @@ from typing import Any
 
 from .._detect import CUDNN_FORWARD_KERNEL, FLASH_FORWARD_KERNEL, input_count, refuses_gqa, run_ulysses_backward
 from .._fix import Finding, Lookup
-from ..fixes import CUDNN_FORWARD, FLASH_BACKEND, FLASH_FORWARD, ULYSSES_FORWARD, ring_grad_route
+from ..fixes import CUDNN_FORWARD, FLASH_BACKEND, FLASH_FORWARD, ULYSSES_FORWARD, ring_grad_route, ulysses_grad_count
 from ..fixes.flash_cp_ignored import refuses_return_lse
 from ..fixes.ring_grad_route import REUSES_FIRST_STEP, reuses_first_step
 from . import cudnn, flash, models, ring, ulysses
@@ -41,16 +41,25 @@ class Facts:
         """Whether diffusers' ``_native_flash`` backend raises its own error for ``return_lse``."""
         return refuses_return_lse(self.shipped(FLASH_BACKEND))
 
+    def _read(self, fix_id: str, key: str) -> Any:
+        """What fix ``fix_id``'s check read as ``key`` on the shipped code, or None where it was not run or read."""
+        finding = self.findings.get(fix_id)
+        return None if finding is None else finding.read.get(key)
+
     @functools.cached_property
     def ulysses_inputs(self) -> int:
-        """How many inputs diffusers' Ulysses forward takes (the checks read it before any build)."""
-        inputs = input_count(self.shipped(ULYSSES_FORWARD))
+        """How many inputs diffusers' Ulysses forward takes (as its check read it, else read here)."""
+        inputs = self._read(ulysses_grad_count.FIX_ID, ulysses_grad_count.INPUTS)
+        inputs = input_count(self.shipped(ULYSSES_FORWARD)) if inputs is None else inputs
         assert inputs is not None
-        return inputs
+        return int(inputs)
 
     @functools.cached_property
     def ulysses_returned(self) -> int:
-        """How many gradients diffusers' Ulysses backward returns (run as the checks ran it)."""
+        """How many gradients diffusers' Ulysses backward returns (as its check read it, else run as it ran it)."""
+        returned = self._read(ulysses_grad_count.FIX_ID, ulysses_grad_count.RETURNED)
+        if returned is not None:
+            return int(returned)
         grads, error = run_ulysses_backward(self.shipped)
         assert grads is not None, error
         return len(grads)
@@ -59,10 +68,8 @@ class Facts:
     def ring_reuses_first_step(self) -> bool:
         """Whether diffusers' ring reuses the first step's tensors in every step (0.36 - 0.39): as the ring's check
         on the shipped code read it, else found by running that ring."""
-        finding = self.findings.get(ring_grad_route.FIX_ID)
-        if finding is not None and REUSES_FIRST_STEP in finding.read:
-            return bool(finding.read[REUSES_FIRST_STEP])
-        return reuses_first_step(self.shipped)
+        reuses = self._read(ring_grad_route.FIX_ID, REUSES_FIRST_STEP)
+        return reuses_first_step(self.shipped) if reuses is None else bool(reuses)
 
 
 def build(
