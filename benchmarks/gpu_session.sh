@@ -11,8 +11,10 @@
 #   bash benchmarks/gpu_session.sh ulyssesmodels  # Ulysses at world size 1 on the real kernels: keys
 #                                                 # of another length, a per-head mask, host syncs of a
 #                                                 # masked layer stack (0.39.0, 0.42.1;
-#                                                 # tests/test_gpu_ulysses_models.py), and
-#                                                 # bench_mask_plan.py; not yet timed
+#                                                 # tests/test_gpu_ulysses_models.py), the kept
+#                                                 # key-padding plan and its device-side check
+#                                                 # (tests/test_key_padding_ulysses.py -m gpu), and
+#                                                 # bench_mask_plan.py; about 4 min
 #   bash benchmarks/gpu_session.sh keypad  # key-padding masks: bench_gpu.py --sections keypad on 0.39.0 and
 #                                          # 0.42.1, and tests/test_gpu_key_padding.py (about 3 min)
 #   bash benchmarks/gpu_session.sh verify   # `diffusers-cudnn-fix verify` on this GPU: tests/test_gpu_verify.py
@@ -166,12 +168,17 @@ ringmask)
 ulyssesmodels)
     # diffusers' Ulysses attention in a one-process NCCL group (issue #42): keys shorter than the queries on the cuDNN
     # and flash ops, a per-head mask on cuDNN, and diffusers' shipped backward as the control (raw JSON
-    # gpu-ulysses-models-<release>.json); not yet timed on a GPU.
+    # gpu-ulysses-models-<release>.json).
     python3 -c "import torch; print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version())" \
         >"$OUT/gpu-session.log" 2>&1
     step "ulysses models" "${DCF_TESTS_LIMIT:-240}" env DIFFUSERS_CUDNN_FIX_RESULTS=$OUT \
         python3 -m pytest tests/test_gpu_ulysses_models.py -q -p no:cacheprovider -rfEs 2>&1 \
         | tee "$OUT/gpu-ulysses-models-tests.log"
+    # Issue #40, item 3 on the real kernels: one plan per rank over a layer stack, and a mask changed on one rank
+    # between layers stopping the run with a device-side assert (raw JSON gpu-key-padding-ulysses-*.json).
+    step "kept plan" "${DCF_TESTS_LIMIT:-240}" env DIFFUSERS_CUDNN_FIX_RESULTS=$OUT \
+        python3 -m pytest tests/test_key_padding_ulysses.py -m gpu -q -p no:cacheprovider -rfEs 2>&1 \
+        | tee "$OUT/gpu-key-padding-ulysses-tests.log"
     # Issue #40, item 3: the key-padding plan once per step, timed against once per layer (a 24-layer stack).
     step "mask plan bench" "${DCF_BENCH_LIMIT:-150}" python3 benchmarks/bench_mask_plan.py \
         --out "$OUT/bench-mask-plan.json" 2>&1 | tee "$OUT/bench-mask-plan.log"

@@ -51,22 +51,28 @@ def assert_ulysses_models(result: dict[str, Any], *, device: str) -> None:
 
 #: A layer stack's bf16 result against the same stack in fp32: rounding only (a wrong key is off by far more).
 STACK_TOLERANCE = 5e-2
+#: The least the two ways may differ by on a GPU: two units in the last place of bf16 at the largest gradient (as
+#: verify's least tolerance). cuDNN's backward may accumulate in another order each run: on an H100 (session 20)
+#: the two ways differed by 0.5 - 0.8 % of the largest input gradient, about one unit in the last place.
+WAYS_FLOOR = 2 * 2**-7
 
 
 def assert_mask_syncs(result: dict[str, Any], *, device: str) -> None:
-    """Issue #40, item 3: one plan per step for the model's mask where the control planned in every layer, the same
-    gradients both ways, both right. On a GPU the plans' host syncs fall by one per layer after the first; the
-    first H100 run (session 19) also saw one sync per step in the package's way that the control's step did not
-    have (3 against 9 at 8 layers, 3 against 25 at 24), so the bound allows it, and ``sync_sites`` names where
-    each was raised."""
+    """Issue #40, item 3: one plan per step for the model's mask where the control planned in every layer, the
+    same gradients both ways (within the kernels' run-to-run noise), both right. On a GPU a step's host syncs fall
+    by one per layer after the first. The median step is compared: the first H100 run (session 19) took the most
+    in any step and saw one sync more in the package's way; its ``sync_sites`` (session 20) put it in one step of
+    ten, at a frame in an ``__init__.py``, not in the package."""
     found = result["ulysses_mask_syncs"]
     layers = found["stack"]["layers"]
     package, control = found["ways"]["package"], found["ways"]["per_gathered_tensor"]
     assert (package["plans"], control["plans"]) == (1, layers), found
     assert max(package["error"], control["error"]) <= STACK_TOLERANCE, found
-    assert found["ways_differ_by"] <= 1e-3, found  # the same plan: at most the kernels' own run-to-run noise
-    if device == "cuda":
-        assert package["syncs"] <= control["syncs"] - (layers - 2), found
+    if device == "cpu":  # the stand-in kernels are deterministic: the same plan gives the very same gradients
+        assert found["ways_differ_by"] == found["repeat_differs_by"] == 0, found
+        return
+    assert found["ways_differ_by"] <= max(4 * found["repeat_differs_by"], WAYS_FLOOR), found
+    assert package["syncs"] <= control["syncs"] - (layers - 1), found
 
 
 @pytest.mark.gpu

@@ -17,19 +17,21 @@ bf16. Each rank runs the layers of a model that hands every layer its own slice 
 * A property search (hypothesis) over degrees, batch, lengths, layers, bool and additive masks and a rank changing
   its slice: every layer a rank finishes is right, and a run stops only where a kept plan met changed values. Its
   control (the check taken out) finds a silently wrong layer.
+* On a GPU (marked ``gpu``), the first two runs on the real cuDNN kernels: the changed mask ends in a device-side
+  assert, surfacing as a CUDA error at the next synchronisation; the control is wrong and quiet.
 """
 
 from __future__ import annotations
 
 import pytest
-from releases import release_dir, run
+from releases import keep, release_dir, run
 
 #: The releases whose Ulysses forward all-gathers a sequence-local mask (0.39.0 on), the first and the newest.
 RELEASES = ("0.39.0", "0.42.1")
 LAYERS = 4
 
 SCRIPT = r"""
-import json, threading, types, warnings
+import json, os, threading, types, warnings
 import torch
 import torch.nn.functional as F
 import diffusers.models.attention_dispatch as m
@@ -38,7 +40,9 @@ import diffusers_cudnn_fix
 from diffusers_cudnn_fix import _key_padding
 from harness import ThreadedUlysses, seeing
 
-standin_kernels.register()
+DEVICE = {device!r}
+if DEVICE == "cpu":  # on a GPU: the real cuDNN kernels
+    standin_kernels.register()
 warnings.simplefilter("ignore")
 CONTROL, LAYERS, WORLD = {control!r}, {layers}, 2
 B, S, H, D = 2, 6, 4, 16  # S: keys a rank
@@ -55,9 +59,9 @@ if CONTROL == "unchecked":  # the kept plan without the check that every layer's
     torch._assert_async = lambda *args: None
 
 gen = torch.Generator().manual_seed(0)
-q, k, v = (torch.randn(B, S * WORLD, H, D, generator=gen).to(torch.bfloat16) for _ in range(3))
-grad_out = torch.randn(q.shape, generator=gen).to(torch.bfloat16)
-keep = torch.ones(B, 1, 1, S * WORLD, dtype=torch.bool)
+q, k, v = (torch.randn(B, S * WORLD, H, D, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(3))
+grad_out = torch.randn(q.shape, generator=gen).to(DEVICE, torch.bfloat16)
+keep = torch.ones(B, 1, 1, S * WORLD, dtype=torch.bool, device=DEVICE)
 keep[0, ..., -3:] = False  # element 0's prompt padded, in rank 1's keys
 keep[1, ..., S - 2 : S] = False  # element 1's, in rank 0's keys
 changed_keep = keep.clone()
@@ -123,23 +127,36 @@ report = {{"plans": len(plans), "ranks_planning": len(set(plans)),
 plans.clear()
 changed = run(True)
 report["changed_raised"] = [repr(r) if isinstance(r, BaseException) else None for r in changed]
-if not any(isinstance(r, BaseException) for r in changed):  # rank 0's layers 2 and 3: as good as the first two?
+if DEVICE == "cuda":  # a device-side assert surfaces at the next synchronisation, wherever that is
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as exc:
+        report["sync_error"] = repr(exc)
+if not any(isinstance(r, BaseException) for r in changed) and "sync_error" not in report:
+    # rank 0's layers 2 and 3: as good as the first two?
     ref_changed = reference(torch.cat([keep[..., :S], changed_keep[..., S:]], dim=-1))
     worst = 0.0
     for layer in (2, 3):
         got = torch.cat([changed[r][layer][0].float() for r in range(WORLD)], dim=1)
         worst = max(worst, ((got - ref_changed[0]).abs().max() / ref_changed[0].abs().max()).item())
     report["changed_error"] = worst
-print(json.dumps(report))
+print(json.dumps(report), flush=True)
+if DEVICE == "cuda":
+    os._exit(0)  # after a device-side assert the CUDA context is unusable: no teardown through it
 """
 
+#: What the package's stop says (``_key_padding.plan_of``).
+STOPPED = "changed between layers"
 #: bf16 q/k/v and grad_out against fp32 attention: rounding, not a wrong key (a wrong key is off by tens of percent).
 TOLERANCE = 3e-2
 
 
-def _run(version: str, control: str | None = None) -> dict:
-    result = run(release_dir(version), SCRIPT.format(control=control, layers=LAYERS), preloaded=True)
-    result.pop("_stderr")
+def _run(version: str, control: str | None = None, device: str = "cpu") -> dict:
+    script = SCRIPT.format(control=control, layers=LAYERS, device=device)
+    result = run(release_dir(version), script, preloaded=device == "cpu")
+    stderr = result.pop("_stderr")
+    if device == "cuda":  # what the user would see of a device-side assert: the kernel's own lines
+        result["stderr_assert_lines"] = [line for line in stderr.splitlines() if "ssert" in line][:5]
     return result
 
 
@@ -164,9 +181,30 @@ def test_a_mask_changed_on_one_rank_stops_the_run(version: str) -> None:
     diffusers gathered. The device-side check stops rank 0 with a message naming the cause; without the check
     (the control), rank 0 trains on the stale plan and its output is wrong."""
     found = _run(version)
-    assert "changed between layers" in (found["changed_raised"][0] or ""), found
+    assert STOPPED in (found["changed_raised"][0] or ""), found
     control = _run(version, "unchecked")
     assert control["changed_raised"] == [None, None], control
+    assert control["changed_error"] > 10 * TOLERANCE, control
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", RELEASES)
+def test_on_a_gpu_one_plan_per_rank_and_a_changed_mask_stops(version: str) -> None:
+    """The same two runs on the real cuDNN kernels: one plan per rank, every layer right; and where rank 1 changes
+    its mask between layers, a device-side assert (the CUDA error at the next synchronisation, in whichever
+    thread meets it) instead of a silently stale plan. The control, the check taken out, is wrong and quiet."""
+    found = _run(version, device="cuda")
+    keep(f"gpu-key-padding-ulysses-{version}.json", found)
+    assert found["raised"] is None, found
+    assert (found["plans"], found["ranks_planning"]) == (2, 2), found
+    assert found["error"] <= TOLERANCE, found
+    met = [raised for raised in (*found["changed_raised"], found.get("sync_error")) if raised]
+    assert any("device-side assert" in raised for raised in met), found
+    # The kernel's assertion line, on the process's stderr, carries the package's message: the cause and the way out.
+    assert any(STOPPED in line for line in found["stderr_assert_lines"]), found
+    control = _run(version, "unchecked", device="cuda")
+    keep(f"gpu-key-padding-ulysses-{version}-unchecked.json", control)
+    assert control["changed_raised"] == [None, None] and "sync_error" not in control, control
     assert control["changed_error"] > 10 * TOLERANCE, control
 
 
