@@ -534,7 +534,7 @@ def ulysses_mask_syncs(
             for way, plan_of in ways.items():  # warm-up (the probe runs on the first CUDA call), and the error
                 _key_padding.plan_of = plan_of
                 grads[way] = got = step()
-                results[way] = {"error": ((got.float() - golden).abs().max() / golden.abs().max()).item()}
+                results[way] = {"error": _relative_gap(got.float(), golden)}
             # The same plan, so the same kernels on the same keys: the two ways' gradients differ no more than one
             # way's differ between two runs.
             differ_by = _relative_gap(grads["package"], grads["per_gathered_tensor"])
@@ -567,8 +567,8 @@ def ulysses_mask_syncs(
                     syncs[way].append(len(synced))
                     sites[way].update(f"{'/'.join(w.filename.split(os.sep)[-3:])}:{w.lineno}" for w in synced)
                     counts[way].append(len(plans))
+            cuda = device == "cuda"
             for way in ways:
-                cuda = device == "cuda"
                 results[way] |= {
                     "plans": max(counts[way]), "syncs": statistics.median(syncs[way]) if cuda else None,
                     "syncs_max": max(syncs[way]) if cuda else None, "step_ms": statistics.median(times[way]),

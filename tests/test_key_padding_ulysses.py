@@ -156,7 +156,7 @@ def _run(version: str, control: str | None = None, device: str = "cpu") -> dict:
     result = run(release_dir(version), script, preloaded=device == "cpu")
     stderr = result.pop("_stderr")
     if device == "cuda":  # what the user would see of a device-side assert: the kernel's own lines
-        result["stderr_assert_lines"] = [line for line in stderr.splitlines() if "ssert" in line][:5]
+        result["stderr_assert_lines"] = [line for line in stderr.splitlines() if "Assertion" in line][:5]
     return result
 
 
