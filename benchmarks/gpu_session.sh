@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_session.sh stacks  # the training-stack GPU tests only (raw gpu-stacks-*.json)
 #   bash benchmarks/gpu_session.sh import  # bench_import.py on that machine's CPU
 #   bash benchmarks/gpu_session.sh references  # tests/test_references.py under that machine's Python
+#   bash benchmarks/gpu_session.sh notrace  # leave no trace on the GPU: generators and flags around the probe
+#                                          # (tests/test_no_trace.py -m gpu; 0.39.0, 0.42.1), about 1 min
 #   bash benchmarks/gpu_session.sh ringmask  # ring attention with masks on the real kernels (0.39.0, 0.42.1;
 #                                          # tests/test_gpu_ring_masks.py), about 2 min
 #   bash benchmarks/gpu_session.sh ulyssesmodels  # Ulysses at world size 1 on the real kernels: keys
@@ -46,6 +48,7 @@ export DIFFUSERS_WHEELS=$PWD/.whl  # tests/releases.py installs each release fro
 RELEASES="0.36.0 0.39.0 0.40.0 0.42.1"
 [ "${1:-}" = upstream ] && RELEASES=0.42.1  # the upstream mode needs (and carries the wheel of) 0.42.1 only
 [ "${1:-}" = ringmask ] && RELEASES="0.39.0 0.42.1"  # as tests/test_gpu_ring_masks.py runs them
+[ "${1:-}" = notrace ] && RELEASES="0.39.0 0.42.1"  # as tests/test_no_trace.py's GPU test runs them
 [ "${1:-}" = ulyssesmodels ] && RELEASES="0.39.0 0.42.1"  # as tests/test_gpu_ulysses_models.py runs them
 python3 tests/releases.py $RELEASES >/dev/null || exit 1
 
@@ -154,6 +157,16 @@ tests)
 import)
     step import "${DCF_IMPORT_LIMIT:-540}" python3 benchmarks/bench_import.py --runs 15 \
         --out "$OUT/bench-import-gpu-host.json" 2>&1 | tee "$OUT/bench-import-gpu-host.log"
+    ;;
+notrace)
+    # Leave no trace (#49) on the GPU: CUDA initialised and seeded before the import; the checks, the probe on the GPU
+    # and the doctor leave every CUDA generator, the CPU's and torch's flags as they were, with the package imported
+    # first and without it (raw JSON gpu-no-trace-<release>.json); about 1 min.
+    python3 -c "import torch; print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version())" \
+        >"$OUT/gpu-session.log" 2>&1
+    step "no trace" "${DCF_TESTS_LIMIT:-240}" env DIFFUSERS_CUDNN_FIX_RESULTS=$OUT \
+        python3 -m pytest tests/test_no_trace.py -m gpu -q -p no:cacheprovider -rfEs 2>&1 \
+        | tee "$OUT/gpu-no-trace-tests.log"
     ;;
 ringmask)
     # Ring attention with masks on the real kernels (a thread per ring rank, degrees 2 - 4): every mask kind and

@@ -234,13 +234,13 @@ def _next_step(data: dict[str, Any]) -> list[str]:
         if any(f["reason_code"] == "skipped" for f in needing):
             way_out = "Take those ids out of DIFFUSERS_CUDNN_FIX_SKIP, or do not train with this backend under CP."
         return [*lines, way_out]
-    sentence = data["advice_text"]
+    # The advice in the words of --json and the log (_advice.Advice.line): the word, then its sentence.
+    advice = wrap(f"advice {data['advice']}: {data['advice_text']}")
     if data["advice"] == "remove":
-        return [wrap(f"Nothing to fix here: {sentence}")]
+        return [advice]
     # The fixes are active in the doctor's process only: how to make them active in training comes next.
     applied_here = "The doctor applied them in its own process only: make them active in every process of your training"
-    lead = "NEXT STEP" if data["advice"] == "apply" else "KEEP IT"
-    return [wrap(f"{lead}: {sentence}"), wrap(f"{applied_here} run, either way:"), *_HOW]
+    return [advice, wrap(f"{applied_here} run, either way:"), *_HOW]
 
 
 _NOT_VERIFIED = """

@@ -45,7 +45,9 @@ class Advice:
         return list(dict.fromkeys(runs))
 
     def sentence(self) -> str:
-        """The advice in one or two sentences: what the doctor says first and the import-time log says."""
+        """The advice in one or two sentences: what the doctor says first and the import-time log says, each after
+        the word itself (:meth:`line`). The sentence of ``apply`` never says "keep", nor that of ``keep`` "apply":
+        one word, one meaning, wherever it is read."""
         release = f"diffusers {self.version or '(version unknown)'}"
         if self.word == "remove":
             return f"{release} needs none of this package's fixes: it changes nothing here and can be removed."
@@ -54,7 +56,7 @@ class Advice:
             also = f", and has other bugs it handles ({', '.join(others)})" if others else ""
             return (
                 f"{release} needs this package's gradient corrections ({', '.join(self.corrections)}) for "
-                f"context-parallel training{also}: keep it imported in every process of the training run."
+                f"context-parallel training{also}: import it in every process of the training run."
             )
         *most, last = self.cases() or ["the cases the doctor lists"]
         uses = f"{', '.join(most)}, or {last}" if most else last
@@ -62,6 +64,10 @@ class Advice:
             f"{release} still has bugs the package handles ({', '.join(self.needed)}): keep it if your training "
             f"uses {uses}. For training that uses none of them it changes nothing, and removing it is safe."
         )
+
+    def line(self) -> str:
+        """The word and the sentence, as the doctor's first line and the import-time log say them."""
+        return f"advice {self.word}: {self.sentence()}"
 
     def to_dict(self) -> dict[str, Any]:
         """The doctor's ``--json`` fields: ``advice``, ``advice_text`` and what it is made of."""

@@ -39,6 +39,19 @@ def spreads(config: Any) -> bool:
     return not (isinstance(ulysses, int) and isinstance(ring, int)) or ulysses * ring > 1
 
 
+class StandInModel(torch.nn.Module):
+    """The model a check hands ``enable_parallelism``: one 2 x 2 linear map whose weight is set, not drawn. A check
+    runs inside the user's process, often after the training script seeded torch (diffusers imports model classes
+    lazily), so it must take no number from the user's random generators: ``torch.nn.Linear`` would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.eye(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
 # Model layout (B, S, H, D) shapes used by the check. All distinct so that a swapped pair of dims is visible.
 BATCH, SEQ_Q, SEQ_KV, HEADS, HEAD_DIM = 2, 5, 7, 3, 8
 

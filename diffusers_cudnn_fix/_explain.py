@@ -26,11 +26,14 @@ if TYPE_CHECKING:
 PROG = "diffusers-cudnn-fix"
 #: Where the built package carries the shipped files (the same layout as the source tree: docs/, upstream/).
 SHIPPED = "_docs"
+#: The page with a section per fix, under the fix's id: ``explain <fix id>`` prints that section.
+FIXES_PAGE = "fixes.md"
 
 DESCRIPTION = """\
 Print a section or page of the package's documentation, or a bug report ready to file upstream, from the files
 installed with the package (no checkout needed). Each problem message names the topic to ask for:
   diffusers-cudnn-fix explain fixes.md#cudnn_bool_mask     a section of a page
+  diffusers-cudnn-fix explain cudnn_bool_mask              a fix's section (fixes.md), by the fix's id
   diffusers-cudnn-fix explain fixes.md                     the whole page
   diffusers-cudnn-fix explain upstream/cudnn_bool_mask     an upstream report: ISSUE.md and fix.patch
 Without a topic, the topics are listed.
@@ -142,6 +145,9 @@ def text_of(topic: str, top: Traversable | None = None) -> str | None:
         fix_id = topic.removeprefix("upstream/").removesuffix("/ISSUE.md").strip("/")
         return _upstream_text(top / "upstream" / fix_id, fix_id) if fix_id in upstream_ids(top) else None
     page, _, anchor = topic.partition("#")
+    if page not in pages(top) and not anchor and FIXES_PAGE in pages(top):
+        # A fix id, as the doctor's table and the warnings name it: its section of the fixes page.
+        page, anchor = FIXES_PAGE, page
     if page not in pages(top):
         return None
     text = (top / "docs" / page).read_text(encoding="utf-8")
@@ -186,7 +192,7 @@ def main(argv: list[str], make_parser: Callable[[str, str, str, str], argparse.A
 
     prog = f"{PROG} explain"
     parser = make_parser(prog, f"{prog} [TOPIC]", DESCRIPTION, EXIT_STATUSES)
-    parser.add_argument("topic", nargs="?", help="page#section, page, or upstream/<fix id>; none: list them")
+    parser.add_argument("topic", nargs="?", help="page#section, page, fix id, or upstream/<fix id>; none: list them")
     args = parser.parse_args(argv)
     top = root()
     if top is None:

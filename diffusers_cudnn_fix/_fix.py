@@ -46,11 +46,14 @@ def built_of(lookup: Lookup, name: str, around: Any, **seams: Any) -> Any:
 @dataclass(frozen=True)
 class Finding:
     """What a check says: a state and one sentence of evidence; ``read``: facts the check read off the code on its
-    way, which the builders would otherwise read again (``targets.Facts``; not part of the finding's identity)."""
+    way, which the builders would otherwise read again (``targets.Facts``; not part of the finding's identity);
+    ``by_environment``: the state is this process's, not the code's alone (a fix whose bug needs a condition of
+    the environment, :attr:`Fix.environment`, found ``ok`` because the condition does not hold here)."""
 
     state: State
     detail: str
     read: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    by_environment: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,10 @@ class Fix:
         reached_when: what makes a call of those shipped functions meet the bug, as far as ``verify
             --without-package`` can see: any call, a call with an attention mask, or nothing it looks at
             (``never``: a dtype, an alignment, a mask that requires grad; such a fix is never counted as reached).
+        environment: where the bug needs more than diffusers' code, the condition of the process it needs, in a
+            few words ("transformers not imported"): ``affected`` lists the releases whose code carries it, and
+            the check finds it only where the condition holds (elsewhere ``ok``, ``Finding.by_environment``:
+            no release-table mismatch, and the doctor says why it is not needed there).
     """
 
     id: str
@@ -102,6 +109,7 @@ class Fix:
     reached_by: str = ""
     bug_in: tuple[str, ...] = ()
     reached_when: Literal["call", "mask", "never"] = "call"
+    environment: str = ""
 
     @property
     def only_for(self) -> str:

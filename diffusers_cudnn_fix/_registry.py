@@ -374,6 +374,10 @@ def _announce(module: ModuleType) -> None:
     states = {fix_id: record.finding.state for fix_id, record in _state.records.items()}
     for fix in _fixes():
         mismatch = _MISMATCHES.get((states[fix.id], release_table_lists(fix.affected, version)))
+        # A bug the environment spares this process (Fix.environment) is no disagreement with the table: the
+        # release carries it, and a process of another environment finds it.
+        if _state.records[fix.id].finding.by_environment:
+            mismatch = None
         if mismatch is not None and fix.id not in _state.mismatches_reported:
             _state.mismatches_reported.add(fix.id)
             cause = f"the release table says diffusers {version} {mismatch.format(fix.id)}."
@@ -382,7 +386,7 @@ def _announce(module: ModuleType) -> None:
     if applied:
         logger.info("diffusers_cudnn_fix: diffusers %s: applied %s", version, ", ".join(applied))
     if not _state.announced:
-        logger.info("diffusers_cudnn_fix: %s", decide(states, version).sentence())
+        logger.info("diffusers_cudnn_fix: %s", decide(states, version).line())
     _state.announced = True
 
 

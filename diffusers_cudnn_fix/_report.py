@@ -179,7 +179,10 @@ def render(status: Mapping[str, Any], checks: Mapping[str, str] | None = None, v
         lines += [row, wrap(f["title"], "      ")]
         if f["applied"] and (note := notes.get(f["id"])) is not None:
             lines.append(wrap(note(), "      "))
-        if verbose or f["result"] in ("NOT FIXED", f["detected"]):  # the result does not say why: the reason does
+        # The result does not say why, or the table lists the release and the check finds the bug not here (a bug
+        # the environment spares this process, Fix.environment): the reason says why.
+        disagrees = f["expected"] is True and f["detected"] == "ok"
+        if verbose or disagrees or f["result"] in ("NOT FIXED", f["detected"]):
             lines.append(wrap(f"why: {f['reason']}", "      "))
         if (report := upstream.get(f["id"])) is not None:  # the bug is open: where to fix it upstream
             lines.append(wrap(f"upstream: {report['command']} prints the report ({report['holds']})", "      "))

@@ -45,6 +45,15 @@ from ._report import json_text
 from ._verify_models import MODELS, Shapes, TinyModel, installed, shapes
 
 EXIT_PASS, EXIT_MISMATCH, EXIT_CANNOT_RUN = 0, 1, 2
+#: ``--json``'s ``verdict`` for a PASS that left fixes this diffusers needs unexercised (``not_exercised`` names
+#: them): the comparison holds for what the run reached, which is not all the release needs. Exit status 0 all
+#: the same; a script that reads only the verdict still tells it from a ``pass`` that exercised every needed fix.
+PASS_UNEXERCISED = "pass-unexercised"
+#: Backends whose templated forward returns no log-sum-exp, which ring attention merges its steps with: diffusers
+#: refuses ring attention on them ("Native attention does not support return_lse=True"; docs/verify.md, "Limits").
+NO_RING = {"native": "returns no log-sum-exp, which ring attention merges its steps with (diffusers raises)"}
+#: What ``--model list`` names as running ring attention, where no ``--backend`` is given.
+RING_BACKENDS = ("_native_cudnn", "_native_flash")
 #: What ``_build`` returns: the model, its inputs, one loss target per output, the inputs cast with the model.
 Built = tuple[Any, dict[str, Any], tuple[Any, ...], tuple[str, ...]]
 #: The row of the parameters the loss does not reach in one process (their true gradient is 0).
@@ -134,7 +143,8 @@ def main(argv: list[str], make_parser: Callable[[str, str, str, str], argparse.A
     args = parser.parse_args(argv)
     if args.model == "list":
         revert()  # this process only reads diffusers' classes: no checks, nothing patched
-        print(json_text(model_list()) if args.json else render_model_list(model_list()), flush=True)
+        found = model_list(args.backend)
+        print(json_text(found) if args.json else render_model_list(found), flush=True)
         return EXIT_PASS
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     launching = args.nproc is not None and args.rendezvous is None
@@ -234,9 +244,21 @@ def model_problem(name: str, state: str | None, version: str | None) -> str | No
     return None
 
 
-def model_list() -> dict[str, Any]:
+def ring_with(backend: str | None, entry_ring: bool | str) -> str:
+    """``--model list``'s ring column for a model (``TinyModel.ring``) on ``backend`` (None: the backends verify runs
+    by default, said one by one): whether ``--ring`` runs it, and where not, why."""
+    if entry_ring is not True:
+        return str(entry_ring) if entry_ring else "no"
+    if backend is None:
+        cannot = "; ".join(f"not {name} (it {why})" for name, why in NO_RING.items())
+        return f"with {', '.join(RING_BACKENDS)} (GPUs); {cannot}"
+    return f"no: {backend} {NO_RING[backend]}" if backend in NO_RING else f"yes, with {backend}"
+
+
+def model_list(backend: str | None = None) -> dict[str, Any]:
     """Every model of the table: whether the installed diffusers has its class and the class declares a plan (read
-    from diffusers' source, no import), and what verify can run it with (``--mask padded``, ``--ring``)."""
+    from diffusers' source, no import), and what verify can run it with (``--mask padded``, ``--ring`` on
+    ``backend``: ``--backend``, else each backend verify runs by default)."""
     words = {
         "plan": "yes",
         "no plan": "no context-parallel plan",
@@ -255,19 +277,19 @@ def model_list() -> dict[str, Any]:
                 "here": here if entry.plan or state != "plan" else words["no plan"],
                 "runs": runs,
                 "mask": entry.mask if entry.plan else None,
-                "ring": entry.ring if entry.plan else False,
+                "ring": ring_with(backend, entry.ring) if entry.plan else "no",
                 "note": entry.blocks,
             }
         )
-    return {"diffusers": _installed_version(), "models": rows}
+    return {"diffusers": _installed_version(), "backend": backend, "models": rows}
 
 
 def render_model_list(found: dict[str, Any]) -> str:
     """``--model list`` as a table."""
-    cells = [("model", "class", "in this diffusers", "--mask padded (text mask)", "--ring")]
+    ring = f"--ring (backend {found['backend']})" if found["backend"] else "--ring (by backend)"
+    cells = [("model", "class", "in this diffusers", "--mask padded (text mask)", ring)]
     for row in found["models"]:
-        ring = row["ring"] if isinstance(row["ring"], str) else ("yes" if row["ring"] else "no")
-        cells.append((row["model"], row["class"], row["here"], row["mask"] or "no", ring))
+        cells.append((row["model"], row["class"], row["here"], row["mask"] or "no", row["ring"]))
     widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
     lines = [
         f"models of diffusers-cudnn-fix verify --model M (diffusers {found['diffusers'] or 'not importable'}); "
@@ -411,6 +433,8 @@ def _run_rank(args: argparse.Namespace, parser: argparse.ArgumentParser) -> NoRe
     ``_exit``, also after an error, so that no process-group teardown can wait on a rank that is gone."""
     rank = args.rank = int(os.environ.get("RANK", "0"))
     started, phase = time.monotonic(), ""
+    raised_in: list[tuple[str, BaseException]] = []  # --without-package: the shipped functions an error came through
+    needed: tuple[str, ...] = ()
 
     def enter(step: int, name: str, detail: str = "") -> None:
         nonlocal phase
@@ -454,7 +478,7 @@ def _run_rank(args: argparse.Namespace, parser: argparse.ArgumentParser) -> NoRe
         setup += stack + (["mask padded"] if args.mask == "padded" else [])
         enter(5, "context-parallel forward and backward", f": {', '.join(setup)}")
         needed = _needed(diffusers)
-        with _accounting(torch, args, needed) as reached:
+        with _accounting(torch, args, needed, raised_in) as reached:
             got = _cp_step(torch, dist, built, args)
         gathered: list[Any] = [None] * args.world_size
         dist.all_gather_object(gathered, sorted(reached))  # what every rank's code ran
@@ -464,6 +488,8 @@ def _run_rank(args: argparse.Namespace, parser: argparse.ArgumentParser) -> NoRe
         result = compare(torch, got, ref, floor, args.dtype)
         result["setup"] = _setup(args, diffusers.__version__, torch.__version__)
         result.update(exercise(needed, set().union(*gathered), without_package=args.without_package))
+        if result["verdict"] == "pass" and result["not_exercised"]:
+            result["verdict"] = PASS_UNEXERCISED
     except BaseException as exc:  # any error is a finding: said once, then exit 2 (64 for a usage error)
         if isinstance(exc, KeyboardInterrupt):
             raise
@@ -473,6 +499,7 @@ def _run_rank(args: argparse.Namespace, parser: argparse.ArgumentParser) -> NoRe
                 print(f"{parser.prog}: error: {exc}", file=sys.stderr, flush=True)
             _exit(64)
         reason = f"{phase}: {exc if isinstance(exc, CannotRun) else f'{type(exc).__name__}: {exc}'}"
+        reason += _bug_met(needed, [target for target, raised in raised_in if raised is exc])
         if args.traceback and not isinstance(exc, CannotRun):
             traceback.print_exc()
         _finish(args, EXIT_CANNOT_RUN, reason=reason)
@@ -679,13 +706,35 @@ def _needed(diffusers: Any) -> tuple[str, ...]:
     return decide({fix_id: found.state for fix_id, found in findings.items()}, diffusers.__version__).needed
 
 
+def _bug_met(needed: tuple[str, ...], targets: list[str]) -> str:
+    """For a ``--without-package`` run that raised through diffusers' shipped ``targets`` (innermost first): the
+    corrections this diffusers needs whose bug lies in one of them, named as the fix the package makes there
+    ("" where none does: then the failure is not one the package corrects)."""
+    from .fixes import ALL_FIXES
+
+    met = [
+        fix
+        for fix in ALL_FIXES
+        if fix.id in needed and fix.kind == "correction" and set(fix.bug_in or fix.targets) & set(targets)
+    ]
+    if not met:
+        return ""
+    named = "; ".join(f"{fix.id} ({fix.title})" for fix in met)
+    return (
+        f". This is the bug the package corrects as {named}, met in diffusers' {targets[0]}: run verify without "
+        "--without-package to see the corrected run"
+    )
+
+
 @contextlib.contextmanager
-def _accounting(torch: Any, args: argparse.Namespace, needed: tuple[str, ...]) -> Iterator[set[str]]:
+def _accounting(
+    torch: Any, args: argparse.Namespace, needed: tuple[str, ...], raised_in: list[tuple[str, BaseException]]
+) -> Iterator[set[str]]:
     """What the step inside reaches, left in the set it yields once it ends: with the package, the ids of the
     fixes whose policies ran (each policy marks itself, ``_ledger``); ``--without-package``, diffusers' shipped
     functions that carry the needed fixes' bugs (``Fix.bug_in``) and were called, and the fixes whose bug such a
     call meets as far as it can be seen (``Fix.reached_when``), through counting wrappers put in their place for
-    the step."""
+    the step; an error that comes out of such a function is added to ``raised_in`` with its name."""
     from . import _ledger, _registry
     from .fixes import ALL_FIXES
 
@@ -699,7 +748,7 @@ def _accounting(torch: Any, args: argparse.Namespace, needed: tuple[str, ...]) -
         for target, fixes in by_target.items():
             stored = _registry.raw_get(module, target)
             if stored is not None:
-                _registry.raw_set(module, target, _counting(torch, target, fixes, stored))
+                _registry.raw_set(module, target, _counting(torch, target, fixes, stored, raised_in))
                 put_back.append((target, stored))
     elif args.device != "cpu":
         probe()  # the GPU probe runs the ops on cases of its own: once per device, before the accounting starts
@@ -713,7 +762,9 @@ def _accounting(torch: Any, args: argparse.Namespace, needed: tuple[str, ...]) -
             _registry.raw_set(module, target, stored)
 
 
-def _counting(torch: Any, target: str, fixes: list[Any], stored: Any) -> Any:
+def _counting(
+    torch: Any, target: str, fixes: list[Any], stored: Any, raised_in: list[tuple[str, BaseException]]
+) -> Any:
     """``stored`` (diffusers' object at ``target``) marking, on each call, ``target`` and the ``fixes`` whose bug
     the call meets: any call, or one with an attention mask (an argument named ``*mask`` that is a tensor). A fix
     whose bug needs what the call does not show (``reached_when="never"``), or only some runs on this release
@@ -737,7 +788,11 @@ def _counting(torch: Any, target: str, fixes: list[Any], stored: Any) -> Any:
             )
             for fix_id in every_call + (masked_calls if masked else []):
                 _ledger.reached(fix_id)
-        return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except Exception as exc:
+            raised_in.append((target, exc))
+            raise
 
     return staticmethod(counted) if isinstance(stored, staticmethod) else counted
 
@@ -901,8 +956,10 @@ def render(result: dict[str, Any]) -> str:
     missed = result.get("not_exercised") or []
     if result["exit_status"] == EXIT_PASS:
         n = result["compared_params"]
-        passed = f"verdict: PASS (exit status 0): output and {n} parameter gradients within tolerance"
-        if missed:  # the PASS covers what the run reached, no more: said where the verdict is read
+        # The PASS covers what the run reached, no more: said where the verdict is read, as --json's verdict does.
+        word = "PASS, NOT ALL EXERCISED" if missed else "PASS"
+        passed = f"verdict: {word} (exit status 0): output and {n} parameter gradients within tolerance"
+        if missed:
             runs = "; ".join(result["reach_them_with"]) or "with the package, to see them run"
             passed += f"; NOT exercised by this run: {', '.join(missed)} (a run that reaches them: {runs})"
         lines.append(passed)

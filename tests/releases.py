@@ -43,6 +43,13 @@ BROKEN_FLASH = ("0.37.0", "0.37.1", "0.38.0", "0.39.0")
 #: Every release with the context-parallel ops (all but 0.35.2): what most fixes' ``CARRIES`` start from.
 WITH_OPS = frozenset(RELEASES) - {"0.35.2"}
 
+#: What diffusers users install beside it (its training examples need them), at versions that install beside every
+#: release above (transformers 5.24 is the newest that takes the huggingface-hub < 2 of diffusers 0.36 - 0.41). They
+#: go into a folder of their own (``user_stack_dir``), which ``run(..., stack=True)`` puts on the path: the tests that
+#: ask for it run in the environment users have, the others in one without them (some users have that too).
+USER_STACK = ("transformers==5.24.0", "accelerate==1.16.0", "peft==0.22.0")
+USER_STACK_DIR = ROOT / ".cache" / "user-stack"
+
 
 def release_dir(version: str) -> Path:
     """The folder holding diffusers ``version`` (installed on first use)."""
@@ -64,6 +71,39 @@ def release_dir(version: str) -> Path:
     subprocess.run([*cmd, f"diffusers=={version}"], check=True)
     partial.rename(target)
     return target
+
+
+def user_stack_dir() -> Path:
+    """The folder holding ``USER_STACK`` and what it needs that this environment lacks (installed on first use).
+
+    pip resolves the stack against this environment (``--dry-run --report``: torch and what the test extra brings
+    are taken as they are, never a second torch), then installs exactly what it would add into the folder.
+    """
+    marker = USER_STACK_DIR / "installed.txt"
+    if marker.exists() and marker.read_text().split("\n", 1)[0] == " ".join(USER_STACK):
+        return USER_STACK_DIR
+    partial = USER_STACK_DIR.with_name(".user-stack.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    pip = [sys.executable, "-m", "pip", "install", "-q"]
+    wheels = os.environ.get("DIFFUSERS_WHEELS")
+    if wheels:
+        pip += ["--no-index", "--find-links", wheels]
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp, "report.json")
+        subprocess.run([*pip, "--dry-run", "--report", str(report), *USER_STACK, "huggingface-hub<2"], check=True)
+        items = json.loads(report.read_text())["install"]
+    wanted = [f"{i['metadata']['name']}=={i['metadata']['version']}" for i in items]
+    # The stack goes beside the torch this environment has, never a torch of its own (gigabytes, and another one).
+    if any(w.lower().startswith(("torch==", "nvidia-", "triton==")) for w in wanted):
+        raise RuntimeError(f"the user stack would install {wanted} here: install the test extra (torch) first")
+    cmd = [*pip, "--no-deps", "--target", str(partial), *wanted]
+    if not sys.dont_write_bytecode:
+        cmd.append("--no-compile")
+    subprocess.run(cmd, check=True)
+    (partial / "installed.txt").write_text("\n".join([" ".join(USER_STACK), *wanted]) + "\n")
+    shutil.rmtree(USER_STACK_DIR, ignore_errors=True)
+    partial.rename(USER_STACK_DIR)
+    return USER_STACK_DIR
 
 
 def relabelled_copy(source_version: str, label: str) -> Path:
@@ -94,14 +134,17 @@ def run(
     env: dict[str, str] | None = None,
     timeout: float = 300,
     preloaded: bool = False,
+    stack: bool = False,
 ) -> dict:
-    """Run ``script`` in a fresh interpreter with ``site`` (a release folder) first on the path.
+    """Run ``script`` in a fresh interpreter with ``site`` (a release folder) first on the path; ``stack``: the
+    packages users install beside diffusers (``USER_STACK``) next.
 
     The script prints one JSON object as its last line of stdout; that object is returned. A non-zero exit
     fails with the script's output. ``preloaded``: fork it from an interpreter that has imported torch (see
     the module's docstring); the same path, environment, working directory and warning filters.
     """
     paths = [str(site)] if site is not None else []
+    paths += [str(user_stack_dir())] if stack else []
     paths += [str(ROOT), str(TESTS)]
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join([*paths, full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -327,6 +370,11 @@ def _zygote() -> _Zygote:
 if __name__ == "__main__":
     # python tests/releases.py [VERSION ...]: install the given releases (default: all) into the cache, four
     # pip processes at a time (each spends most of its time waiting on the download); any failure fails.
+    # The user stack too (USER_STACK), unless releases are named or --no-user-stack is given.
+    named = [arg for arg in sys.argv[1:] if arg != "--no-user-stack"]
     with ThreadPoolExecutor(max_workers=4) as pool:
-        for installed in pool.map(release_dir, sys.argv[1:] or RELEASES):
+        stack = None if sys.argv[1:] else pool.submit(user_stack_dir)
+        for installed in pool.map(release_dir, named or RELEASES):
             print(installed)
+        if stack is not None:
+            print(stack.result())

@@ -49,7 +49,13 @@ def test_the_advice_follows_its_definition(states: dict[str, str], version: str 
     if advice.word == "remove":
         assert "can be removed" in sentence and not any(fix.id in sentence for fix in ALL_FIXES)
     else:
-        assert "can be removed" not in sentence and "keep" in sentence
+        assert "can be removed" not in sentence
+    # One word, one meaning (#49): the sentence of "apply" says how to apply it and never "keep"; that of "keep"
+    # says when to keep it.
+    if advice.word == "apply":
+        assert "import it in every process" in sentence and "keep" not in sentence, sentence
+    if advice.word == "keep":
+        assert "keep it if" in sentence and "apply" not in sentence, sentence
     if advice.word == "keep":  # the runs that still meet a bug are named
         for fix in needed:
             runs = advice.only_for.get(fix.id) or fix.matters_to or fix.title

@@ -133,6 +133,14 @@ def test_a_page_a_section_and_an_older_spelling(capsys: pytest.CaptureFixture[st
     assert _explain_main(capsys, "upstream/cudnn_bool_mask/ISSUE.md") == issue and issue[0] == 0
 
 
+@pytest.mark.parametrize("fix_id", [fix.id for fix in ALL_FIXES])
+def test_a_fix_id_alone_prints_its_section(capsys: pytest.CaptureFixture[str], fix_id: str) -> None:
+    """The doctor's table names each fix by its id: ``explain <id>`` prints what ``explain fixes.md#<id>`` does."""
+    code, section, _ = _explain_main(capsys, fix_id)
+    assert code == 0 and section.startswith(f"## `{fix_id}`"), section[:80]
+    assert (code, section) == _explain_main(capsys, f"fixes.md#{fix_id}")[:2]
+
+
 def test_a_heading_inside_a_code_block_is_no_section() -> None:
     text = "# Page\n\n## One\n\n```bash\n# a comment\n```\n\n### Sub\n\nx\n\n## One\n\ny\n"
     found = _explain.sections(text)

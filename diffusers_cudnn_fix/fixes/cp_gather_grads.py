@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .. import _ledger
-from .._detect import spreads, with_globals
+from .._detect import StandInModel, spreads, with_globals
 from .._fix import Finding, Lookup, built_of
 from .._warnings import UnsafeAttentionError, explain
 from . import ENABLE_PARALLELISM
@@ -173,7 +173,7 @@ def _refuses(lookup: Lookup) -> bool | str:
         return "the replacement could not be built around a stand-in"
     split = {"x": _StandInPlan(split_dim=1, split_output=False)}
     plan = {"blocks.*.attn": split, "blocks.0.attn": _StandInPlan(gather_dim=1)}
-    model = torch.nn.Linear(2, 2)
+    model = StandInModel()
     config = types.SimpleNamespace(context_parallel_config=types.SimpleNamespace(ulysses_degree=2, ring_degree=1))
     try:
         run(model, config=config, cp_plan=plan)

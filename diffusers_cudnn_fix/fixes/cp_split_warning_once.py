@@ -3,9 +3,9 @@
 Bug: ``ContextParallelSplitHook._prepare_cp_input`` warns through ``logger.warning_once`` where an input's dims are not
 the plan's ``expected_dims`` (Wan's 1-D timestep); only transformers' import gives loggers that method, so without it
 the forward raises AttributeError instead of skipping the split. Every release with context parallelism.
-Detection: the method, run in one process on a tensor of the wrong dims with its logger stood in by one that has
-only what diffusers' logger has: does it reach for a missing method? The package: ``enable_parallelism``'s replacement
-lends that one logger a once-per-message ``warning_once`` where it lacks one (:func:`lend`); ``revert()`` takes it back.
+Detection: the method, run in one process on a tensor of the wrong dims with a logger lacking ``warning_once``: does
+it reach for it? If so, and diffusers' logger has it here (transformers imported): ``ok``, by the environment. Else
+``enable_parallelism``'s replacement lends that one logger a once-per-message ``warning_once``; ``revert()`` takes it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .. import _ledger
-from .._detect import with_globals
+from .._detect import StandInModel, with_globals
 from .._fix import Finding, Lookup, built_of
 from . import ENABLE_PARALLELISM
 
@@ -99,15 +99,16 @@ class _Missing(Exception):
 
 
 class _LoggerLike:
-    """Stands in for diffusers' logger (``real``): what it has is recorded, not emitted; what it lacks is reported
-    (as :class:`_Missing`)."""
+    """Stands in for diffusers' logger (``real``) as it is without transformers: what it has is recorded, not
+    emitted; what it lacks, and ``warning_once`` (which only transformers' import gives it), is reported (as
+    :class:`_Missing`)."""
 
     def __init__(self, real: Any) -> None:
         self.real = real
         self.said: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
-        if not hasattr(self.real, name):
+        if name == METHOD or not hasattr(self.real, name):
             raise _Missing(name)
         return lambda *args, **kwargs: self.said.append(name)
 
@@ -156,7 +157,7 @@ def _lends(lookup: Lookup, prepare: Any, logger: Any) -> bool | str:
         pass
 
     setattr(_Hook, PREPARE, with_globals(prepare, logger=logger))
-    model = torch.nn.Linear(2, 2)
+    model = StandInModel()
 
     def register(self: Any, *args: Any, **kwargs: Any) -> None:
         self._diffusers_hook = types.SimpleNamespace(hooks={"cp_input": _Hook()})
@@ -192,7 +193,12 @@ def check(lookup: Lookup) -> Finding:
         return Finding("unknown", f"diffusers' {SPLIT_HOOK}.{PREPARE} could not be run in one process ({reaches})")
     if not reaches:
         return Finding("ok", f"{SPLIT_HOOK}.{PREPARE} warns and skips the split of an input of other dims than "
-                       "the plan's (transformers imported, or a diffusers that needs no more)")  # fmt: skip
+                       f"the plan's without logger.{METHOD}")  # fmt: skip
+    if hasattr(real, METHOD):  # the code has the bug; this process does not (the record's environment)
+        given = "transformers, imported, gives every logger one" if METHOD in vars(logging.Logger) else "given to it"
+        return Finding("ok", f"here diffusers' logger has the logger.{METHOD} that {SPLIT_HOOK}.{PREPARE} calls "
+                       f"({given}); where transformers is not imported, that call raises AttributeError",
+                       by_environment=True)  # fmt: skip
     enable = lookup(ENABLE_PARALLELISM)
     broken = (f"{SPLIT_HOOK}.{PREPARE} calls logger.{METHOD}, which diffusers' logger lacks (transformers not "
               "imported): an input of other dims than the plan's raises AttributeError")  # fmt: skip

@@ -94,6 +94,40 @@ def test_the_split_hook_warns_once_with_the_package_and_raises_without() -> None
     assert result["after_revert"] is False, result
 
 
+_WITH_TRANSFORMERS = r"""
+import json, warnings
+warnings.simplefilter("always")
+import transformers
+import diffusers_cudnn_fix, diffusers.models.modeling_utils, diffusers.models.attention_dispatch
+from diffusers_cudnn_fix import __main__ as doctor
+import contextlib, io
+with warnings.catch_warnings(record=True) as shown:
+    warnings.simplefilter("always")
+    diffusers_cudnn_fix.apply()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        doctor.main(["--no-gpu"])
+row = next(f for f in diffusers_cudnn_fix.status().fixes if f.id == "cp_split_warning_once")
+print(json.dumps({"row": [row.expected, row.detected, row.applied, row.reason_code, row.reason],
+                  "warnings": [str(w.category.__name__) for w in shown], "text": out.getvalue()}))
+"""
+
+
+@pytest.mark.parametrize("version", ["0.36.0", "0.42.1"])
+def test_with_transformers_imported_it_is_not_needed_here_and_the_doctor_says_why(version: str) -> None:
+    """The environment users have (transformers installed, ``releases.USER_STACK``): the release carries the bug
+    (the table says so), this process does not (its loggers have the method): not needed, no release-table warning
+    (#49: before, every import with transformers said to report a bug that was not there), and the doctor's row
+    says why."""
+    result = run(release_dir(version), _WITH_TRANSFORMERS, preloaded=True, stack=True)
+    expected, detected, applied, code, reason = result["row"]
+    assert (expected, detected, applied, code) == (True, "ok", False, "not_needed"), result["row"]
+    assert reason.startswith("not needed: here diffusers' logger has") and "transformers" in reason, reason
+    assert "ReleaseTableMismatchWarning" not in result["warnings"], result["warnings"]
+    text = " ".join(result["text"].split())
+    assert "why: not needed: here diffusers' logger has" in text, text
+
+
 def test_a_logger_that_has_the_method_is_left_alone() -> None:
     """transformers' import gives ``logging.Logger`` the method: the package lends none then."""
     from diffusers_cudnn_fix.fixes.cp_split_warning_once import _lent, lend
