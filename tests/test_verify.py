@@ -27,7 +27,7 @@ import sys
 import time
 
 import pytest
-from releases import ROOT, TESTS, release_dir
+from releases import ROOT, TESTS, release_dir, user_stack_dir
 
 pytestmark = pytest.mark.slow
 
@@ -35,9 +35,13 @@ SEAMS = ("--preload", "verify_seams")
 TIMEOUT_S = 240
 
 
-def verify(version: str | None, *args: str, env: dict[str, str] | None = None, timeout: float = TIMEOUT_S):
-    """(exit status, stdout, stderr, wall seconds) of ``python -m diffusers_cudnn_fix verify ARGS``."""
+def verify(
+    version: str | None, *args: str, env: dict[str, str] | None = None, timeout: float = TIMEOUT_S, stack: bool = False
+):
+    """(exit status, stdout, stderr, wall seconds) of ``python -m diffusers_cudnn_fix verify ARGS``; ``stack``: with
+    transformers, accelerate and peft on the path (``releases.USER_STACK``)."""
     paths = [str(release_dir(version))] if version else []
+    paths += [str(user_stack_dir())] if stack else []
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join([*paths, str(ROOT), str(TESTS), full_env.get("PYTHONPATH", "")]).rstrip(
         os.pathsep
@@ -279,6 +283,17 @@ def test_039_cudnn_run_exercises_the_op_fixes_it_ran_and_not_the_ones_merely_app
     skipped = result(verify("0.39.0", "--json", *args, env={"DIFFUSERS_CUDNN_FIX_SKIP": "cudnn_input_dtypes"})[1])
     assert skipped["exit_status"] == 0 and skipped["exercised"] == ops[:2], skipped
     assert "cudnn_input_dtypes" in skipped["needed"] and "cudnn_input_dtypes" in skipped["not_exercised"], skipped
+
+
+def test_in_the_environment_users_have_ltx2_passes_and_nothing_is_warned() -> None:
+    """transformers, accelerate and peft installed (#49): LTX2 (whose inputs meet the split hook's warning_once)
+    passes; ``cp_split_warning_once`` is not needed there (transformers gives diffusers' logger the method), so it
+    is neither needed nor exercised; no warning of the package's on any rank."""
+    code, out, err, _ = verify("0.39.0", "--json", "--nproc", "2", "--model", "ltx2", stack=True)
+    found = result(out)
+    assert code == 0 and passes(found), f"{out}\n{err}"
+    assert "cp_split_warning_once" not in found["needed"] and "ltx2_cp_plan" in found["exercised"], found
+    assert "Warning:" not in err, err
 
 
 @pytest.mark.parametrize("package", [True, False], ids=["package", "without-package"])
