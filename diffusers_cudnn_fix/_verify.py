@@ -70,6 +70,8 @@ MIN_TOLERANCE = {"bfloat16": 2 * 2**-7, "float16": 2 * 2**-10, "float32": 1e-4}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 #: After the first rank of ``--nproc`` ends with an error, how long the others get to say theirs.
 GRACE_S = 10.0
+#: The signals on which the ``--nproc`` launcher ends its ranks before it exits.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 DESCRIPTION = """\
 Check context-parallel training on this set-up: a tiny real diffusers transformer (random weights, nothing
@@ -169,18 +171,126 @@ def main(argv: list[str], make_parser: Callable[[str, str, str, str], argparse.A
     args.ulysses, args.ring, args.dtype = ulysses, ring, DTYPES[args.dtype]
     if launching:
         # Before any rank starts: a misspelt backend is a usage error here, not N ranks failing alike.
-        revert()  # this process only reads diffusers' registry: no checks, nothing patched
         # A diffusers without context parallelism (no model declares a plan): the ranks say so (exit 2).
         states = {name: installed(entry) for name, entry in MODELS.items()}
         if "plan" in states.values():
             problem = model_problem(args.model, states[args.model], _installed_version())
             if problem is not None:
                 parser.error(problem)
-        problem = backend_problem(args.backend)
+        fork = _ranks_can_fork()
+        problem = _in_a_child(backend_problem, args.backend) if fork else _here(backend_problem, args.backend)
         if problem is not None:
             parser.error(problem)
-        return _launch(argv, args)
+        return _launch(argv, args, (lambda rank_argv: main(rank_argv, make_parser)) if fork else None)
     return _run_rank(args, parser)
+
+
+#: What the ranks import first, whichever way they start: forked from the launcher, they find it imported (most of a
+#: rank's start: torch._dynamo, which diffusers imports, is half of it).
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed")
+
+
+def _ranks_can_fork() -> bool:
+    """Whether the ``--nproc`` launcher can start its ranks by forking itself after importing :data:`PRELOAD` (and
+    nothing of diffusers, so that each rank imports diffusers after the package, as a training script does), rather
+    than as fresh interpreters: a POSIX system whose ``/proc`` counts this process's threads, one thread (a fork
+    copies memory that other threads may be changing), CUDA not initialised. Anything else: fresh interpreters."""
+    if not hasattr(os, "fork") or "diffusers" in sys.modules:
+        return False
+    # numpy's OpenBLAS (torch imports numpy) starts a thread server at import unless told not to; verify's ranks
+    # work on tiny tensors, and a launcher with threads could not fork.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    for name in PRELOAD:
+        importlib.import_module(name)
+    try:
+        threads = len(os.listdir("/proc/self/task"))
+    except OSError:
+        return False
+    torch = sys.modules["torch"]
+    return threads == 1 and not torch.cuda.is_initialized()
+
+
+def _here(check: Callable[[Any], Any], value: Any) -> Any:
+    """``check(value)`` in this process, the package reverted first: it only reads diffusers' registry."""
+    revert()
+    return check(value)
+
+
+def _in_a_child(check: Callable[[Any], Any], value: Any) -> Any:
+    """``check(value)`` (plain JSON data back) in a forked child that reverts the package and may import diffusers,
+    so that this process, which forks the ranks next, has imported neither. None where the child fails."""
+    import json
+
+    read, write = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the launcher's frames
+        code = 1
+        try:
+            os.close(read)
+            with os.fdopen(write, "w") as out:
+                out.write(json.dumps(_here(check, value)))
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as got:
+        text = got.read()
+    _, status = os.waitpid(pid, 0)
+    return json.loads(text) if status == 0 and text else None
+
+
+class _ForkedRank:
+    """A rank forked by the launcher, as the launcher watches it (``subprocess.Popen``'s ``pid``, ``returncode``,
+    ``poll`` and ``wait``: a status, or minus the signal that ended it)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return int(self.returncode)
+
+
+def _start_rank(
+    cmd: list[str], env: dict[str, str], run_forked: Callable[[list[str]], Any] | None, mask: Any = None
+) -> Any:
+    """Start one rank in a session of its own: forked from this launcher (``run_forked`` runs verify's command line,
+    ``cmd`` less the interpreter's part, in the child, which ends there, with the signal ``mask`` the launcher had),
+    or as ``cmd`` in a fresh interpreter."""
+    if run_forked is None:
+        return subprocess.Popen(cmd, env=env, start_new_session=True)
+    sys.stdout.flush()  # what the launcher buffered must not be written again by the child
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: its own session, the default signal handlers, its rank's environment; never returns
+        code = 70  # EX_SOFTWARE: verify's command line returned, which a rank's never does
+        try:
+            os.setsid()
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, signal.SIG_DFL)
+            if mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            os.environ.clear()
+            os.environ.update(env)
+            run_forked(cmd[cmd.index("verify") + 1 :])
+        except SystemExit as exc:  # argparse's, say: its status
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:  # noqa: BLE001 - said on stderr, as a fresh interpreter would
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return _ForkedRank(pid)
 
 
 def backend_problem(backend: str | None) -> str | None:
@@ -303,15 +413,16 @@ def render_model_list(found: dict[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------------------------
 # --nproc: local ranks
 # ------------------------------------------------------------------------------------------------------------
-def _launch(argv: list[str], args: argparse.Namespace) -> int:
-    """Start ``--nproc`` ranks (``python -m diffusers_cudnn_fix verify ...``), each in a session of its own, and
+def _launch(argv: list[str], args: argparse.Namespace, run_forked: Callable[[list[str]], Any] | None) -> int:
+    """Start ``--nproc`` ranks (``python -m diffusers_cudnn_fix verify ...``, forked from this process where
+    ``run_forked`` is given: :func:`_ranks_can_fork`), each in a session of its own, and
     wait for them under ``--timeout``; a rank that ends with an error gives the others ``GRACE_S`` to say
     theirs, then they are killed (they would wait in a collective). Rank 0 prints the result; the launcher's
     exit status is rank 0's where every rank finished its part, else 2 (with a line saying why)."""
     nproc, deadline = args.nproc, time.monotonic() + args.timeout
     why: str | None = None  # the launcher's own reason: a deadline or a signal
     first_failed: int | None = None
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Any] = []  # subprocess.Popen or _ForkedRank
     signalled: list[int] = []
 
     def stop(signum: int, frame: object) -> None:
@@ -321,17 +432,24 @@ def _launch(argv: list[str], args: argparse.Namespace) -> int:
             signalled.append(signum)
             raise KeyboardInterrupt
 
-    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
     try:
         with tempfile.TemporaryDirectory(prefix="dcf-verify-") as tmp:
             # The ranks keep --nproc: --rendezvous tells them they are ranks.
             cmd = [sys.executable, "-m", "diffusers_cudnn_fix", "verify", *argv, "--rendezvous", f"file://{tmp}/rdv"]
             cmd += ["--report-dir", tmp]
             try:  # started inside the ``try``: a signal while starting them ends those already started
-                for rank in range(nproc):
-                    ranks = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc)}
-                    env = {**os.environ, **ranks, "LOCAL_WORLD_SIZE": str(nproc)}
-                    procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+                # Forking, the stop signals wait until every rank is started and recorded: a handler run inside
+                # os.fork() (in an at-fork callback) has its exception dropped, and the signal with it.
+                mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS) if run_forked else None
+                try:
+                    for rank in range(nproc):
+                        ranks = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc)}
+                        env = {**os.environ, **ranks, "LOCAL_WORLD_SIZE": str(nproc)}
+                        procs.append(_start_rank(cmd, env, run_forked, mask))
+                finally:
+                    if mask is not None:
+                        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                 while [p.poll() for p in procs].count(None):  # every rank polled each time (any() would stop early)
                     failed = [r for r, p in enumerate(procs) if p.returncode not in (None, EXIT_PASS, EXIT_MISMATCH)]
                     if failed and first_failed is None:
@@ -345,8 +463,11 @@ def _launch(argv: list[str], args: argparse.Namespace) -> int:
                 why = f"stopped by signal {signalled[0]}" if signalled else "interrupted"
             killed = [r for r, p in enumerate(procs) if p.poll() is None]
             for r in killed:
-                with contextlib.suppress(ProcessLookupError):
+                try:
                     os.killpg(procs[r].pid, signal.SIGKILL)  # the rank's own session: it and whatever it started
+                except ProcessLookupError:  # a rank forked a moment ago, before its own session: the rank itself
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(procs[r].pid, signal.SIGKILL)
             for proc in procs:
                 proc.wait()
             reports = [_read_report(tmp, rank) for rank in range(nproc)]

@@ -127,26 +127,25 @@ def relabelled_copy(source_version: str, label: str) -> Path:
     return target
 
 
-def run(
+def run_raw(
     site: Path | None,
     script: str,
     *,
-    env: dict[str, str] | None = None,
+    env: dict[str, str | None] | None = None,
     timeout: float = 300,
     preloaded: bool = False,
     stack: bool = False,
-) -> dict:
-    """Run ``script`` in a fresh interpreter with ``site`` (a release folder) first on the path; ``stack``: the
-    packages users install beside diffusers (``USER_STACK``) next.
-
-    The script prints one JSON object as its last line of stdout; that object is returned. A non-zero exit
-    fails with the script's output. ``preloaded``: fork it from an interpreter that has imported torch (see
-    the module's docstring); the same path, environment, working directory and warning filters.
-    """
+) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of ``script`` in a fresh interpreter with ``site`` (a release folder) first on
+    the path; ``stack``: the packages users install beside diffusers (``USER_STACK``) next. ``env``: variables to
+    set, or to remove where the value is None. ``preloaded``: fork it from an interpreter that has imported torch
+    (see the module's docstring); the same path, environment, working directory and warning filters."""
     paths = [str(site)] if site is not None else []
     paths += [str(user_stack_dir())] if stack else []
     paths += [str(ROOT), str(TESTS)]
-    full_env = {**os.environ, **(env or {})}
+    full_env = {**os.environ, **{k: v for k, v in (env or {}).items() if v is not None}}
+    for name in [k for k, v in (env or {}).items() if v is None]:
+        full_env.pop(name, None)
     full_env["PYTHONPATH"] = os.pathsep.join([*paths, full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     full_env.setdefault("PYTHONWARNINGS", "default")
     if preloaded and full_env["PYTHONWARNINGS"] == _ZYGOTE_ENV["PYTHONWARNINGS"]:
@@ -161,6 +160,21 @@ def run(
             cwd=str(ROOT),
         )
         returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    return returncode, stdout, stderr
+
+
+def run(
+    site: Path | None,
+    script: str,
+    *,
+    env: dict[str, str | None] | None = None,
+    timeout: float = 300,
+    preloaded: bool = False,
+    stack: bool = False,
+) -> dict:
+    """``run_raw``, for a script that prints one JSON object as its last line of stdout: that object (with the
+    script's stderr as ``_stderr``). A non-zero exit fails with the script's output."""
+    returncode, stdout, stderr = run_raw(site, script, env=env, timeout=timeout, preloaded=preloaded, stack=stack)
     if returncode != 0:
         raise AssertionError(f"subprocess failed ({returncode}):\n{stdout}\n{stderr}")
     lines = [line for line in stdout.splitlines() if line.strip()]

@@ -27,7 +27,7 @@ import sys
 import time
 
 import pytest
-from releases import ROOT, TESTS, release_dir, user_stack_dir
+from releases import ROOT, TESTS, release_dir, run_raw
 
 pytestmark = pytest.mark.slow
 
@@ -35,29 +35,23 @@ SEAMS = ("--preload", "verify_seams")
 TIMEOUT_S = 240
 
 
+#: What a launcher of the test process's own would hand verify, and a user's shell would not.
+NOT_A_USERS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DIFFUSERS_CUDNN_FIX")
+
+
 def verify(
     version: str | None, *args: str, env: dict[str, str] | None = None, timeout: float = TIMEOUT_S, stack: bool = False
 ):
-    """(exit status, stdout, stderr, wall seconds) of ``python -m diffusers_cudnn_fix verify ARGS``; ``stack``: with
-    transformers, accelerate and peft on the path (``releases.USER_STACK``)."""
-    paths = [str(release_dir(version))] if version else []
-    paths += [str(user_stack_dir())] if stack else []
-    full_env = {**os.environ, **(env or {})}
-    full_env["PYTHONPATH"] = os.pathsep.join([*paths, str(ROOT), str(TESTS), full_env.get("PYTHONPATH", "")]).rstrip(
-        os.pathsep
-    )
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DIFFUSERS_CUDNN_FIX"):
-        full_env.pop(var, None)
+    """(exit status, stdout, stderr, wall seconds) of ``diffusers-cudnn-fix verify ARGS`` (the command line's own
+    ``main``), forked from the tests' interpreter that imported torch (``releases.run_raw(preloaded=True)``): what a
+    fresh ``python -m diffusers_cudnn_fix verify`` does, less torch's import. ``stack``: with transformers,
+    accelerate and peft on the path (``releases.USER_STACK``)."""
+    site = release_dir(version) if version else None
+    script = f"import sys\nfrom diffusers_cudnn_fix.__main__ import main\nsys.exit(main(['verify', *{list(args)!r}]))"
+    unset: dict[str, str | None] = dict.fromkeys(NOT_A_USERS)
     started = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "diffusers_cudnn_fix", "verify", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-        cwd=str(ROOT),
-    )
-    return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - started
+    code, out, err = run_raw(site, script, env={**unset, **(env or {})}, timeout=timeout, preloaded=True, stack=stack)
+    return code, out, err, time.monotonic() - started
 
 
 def result(stdout: str) -> dict:
@@ -186,20 +180,37 @@ def test_a_failed_rank_does_not_leave_the_others_waiting(how: str) -> None:
     assert wall < 45  # the hang: the 15 s deadline; the exit: GRACE_S (10 s) after it
 
 
-def test_sigterm_to_the_launcher_ends_its_ranks() -> None:
+#: A launcher with a second thread running: it may not fork, and starts its ranks as fresh interpreters.
+WITH_A_THREAD = (
+    "import sys, threading, time; threading.Thread(target=time.sleep, args=(600,), daemon=True).start(); "
+    "from diffusers_cudnn_fix.__main__ import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+@pytest.mark.parametrize("ranks", ["forked", "fresh"])
+def test_sigterm_to_the_launcher_ends_its_ranks(ranks: str) -> None:
     """The ranks run in sessions of their own (a signal to the launcher's group does not reach them): the
-    launcher ends them itself, and waits for them, before it exits."""
+    launcher ends them itself, and waits for them, before it exits. Both ways of starting them: forked from the
+    launcher (one thread) and, where it runs a thread, as fresh interpreters."""
+    import select
+
     env = {**os.environ, "VERIFY_TEST_FAIL": "hang"}
     env["PYTHONPATH"] = os.pathsep.join([str(release_dir("0.39.0")), str(ROOT), str(TESTS)])
-    cmd = [sys.executable, "-m", "diffusers_cudnn_fix", "verify", "--nproc", "2", "--preload", "verify_rank_fails"]
+    start = ["-m", "diffusers_cudnn_fix"] if ranks == "forked" else ["-c", WITH_A_THREAD]
+    cmd = [sys.executable, *start, "verify", "--nproc", "2", "--preload", "verify_rank_fails"]
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
-    time.sleep(3)
+    assert proc.stderr is not None
+    said = ""
+    while "verify [1/6]" not in said and time.monotonic() - started < 60:  # rank 0 has started
+        if select.select([proc.stderr], [], [], 1.0)[0]:
+            said += proc.stderr.readline()
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
+    err = said + err
     assert proc.returncode == 2, f"{out}\n{err}"
     assert "stopped by signal 15" in out + err and "stopped rank(s) 0, 1" in out + err
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 60
 
 
 @pytest.mark.parametrize(

@@ -130,7 +130,6 @@ ALL_FIXES: tuple[Fix, ...] = (
         "raises AttributeError", "not reported upstream as of diffusers 0.42.1", ">=0.36.0", (ENABLE_PARALLELISM,),
         only_for_on=(">=0.36.0", "context parallelism without transformers imported, with an input of other dims "
                      "than the plan's (Wan's 1-D timestep)"),
-        upstream_issue=PATCH_FOR_DIFFUSERS, reached_by="verify --model ltx2 (on a CPU too; its audio inputs are of "
-        "other dims than the plan's)", bug_in=(SPLIT_HOOK_PREPARE,), reached_when="never",
-        environment="transformers not imported"),
+        upstream_issue=PATCH_FOR_DIFFUSERS, reached_by="verify --model ltx2 (on a CPU too)",
+        bug_in=(SPLIT_HOOK_PREPARE,), reached_when="never", environment="transformers not imported"),
 )  # fmt: skip
