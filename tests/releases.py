@@ -49,6 +49,9 @@ WITH_OPS = frozenset(RELEASES) - {"0.35.2"}
 #: ask for it run in the environment users have, the others in one without them (some users have that too).
 USER_STACK = ("transformers==5.24.0", "accelerate==1.16.0", "peft==0.22.0")
 USER_STACK_DIR = ROOT / ".cache" / "user-stack"
+#: The stack's modules, as a training script imports them (``run(..., stack=True, preloaded=True)`` forks from an
+#: interpreter that imported them).
+STACK_MODULES = ("accelerate", "peft", "transformers")
 
 
 def release_dir(version: str) -> Path:
@@ -148,8 +151,8 @@ def run_raw(
         full_env.pop(name, None)
     full_env["PYTHONPATH"] = os.pathsep.join([*paths, full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     full_env.setdefault("PYTHONWARNINGS", "default")
-    if preloaded and full_env["PYTHONWARNINGS"] == _ZYGOTE_ENV["PYTHONWARNINGS"]:
-        returncode, stdout, stderr = _zygote().run(script, full_env, paths, timeout)
+    if preloaded:
+        returncode, stdout, stderr = _zygote(stack).run(script, full_env, paths, timeout)
     else:
         proc = subprocess.run(
             [sys.executable, "-c", script],
@@ -214,8 +217,9 @@ def fix_states(version: str, *, models_first: bool = False) -> dict[str, list]:
 #: What the preloaded interpreter imports before it forks: torch, and what diffusers imports of it that costs
 #: most (``torch._dynamo``, through ``torch.compiler``). No diffusers, no package, no test module.
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed")
-#: Its environment's differences from the test process's: warnings as ``run`` sets them for every script
-#: (a request asking for other warning options runs fresh); nothing of ours on the path; and no OpenBLAS
+#: Its environment's differences from the test process's: warnings as ``run`` sets them for every script (a request
+#: asking for others gets the filters a fresh interpreter importing the same would have: what the imports add, its
+#: ``PYTHONWARNINGS``, the interpreter's defaults); nothing of ours on the path; and no OpenBLAS
 #: thread server (numpy, which torch imports, starts one): a process that forks must have one thread, since the
 #: child gets a copy of memory that other threads may be changing (CI once saw a forked search die in malloc).
 _ZYGOTE_ENV = {"PYTHONWARNINGS": "default", "PYTHONPATH": "", "OPENBLAS_NUM_THREADS": "1"}
@@ -227,9 +231,14 @@ _ZYGOTE_ENV = {"PYTHONWARNINGS": "default", "PYTHONPATH": "", "OPENBLAS_NUM_THRE
 #: of its input, and ``close_preloaded`` waits for the interpreter), so their CPU time counts in the test
 #: process's (``/usr/bin/time``, ``resource.getrusage``).
 _ZYGOTE = r"""
-import importlib, json, os, sys
+import importlib, json, os, sys, warnings
+# The interpreter's own filters, under the ones its PYTHONWARNINGS put in front (the warnings module at start-up).
+DEFAULT_FILTERS = warnings.filters[len(sys.warnoptions):]
+before = len(warnings.filters)
 for name in sys.argv[1:]:
     importlib.import_module(name)
+# What the imports put in front (torch's, sympy's, numpy's own filters): a fresh interpreter has them in front too.
+IMPORTED_FILTERS = warnings.filters[: len(warnings.filters) - before]
 threads = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["main"]
 if len(threads) != 1:  # forking now would copy memory other threads are changing: refuse, loudly
     sys.exit(f"the preloaded interpreter has {len(threads)} threads after importing {sys.argv[1:]}; it forks with one")
@@ -256,6 +265,13 @@ for line in sys.stdin:
             sys.stdin = open(0, encoding="utf-8", closefd=False)
             os.environ.clear()
             os.environ.update(req["env"])
+            options = [o for o in req["env"].get("PYTHONWARNINGS", "").split(",") if o]
+            if options != sys.warnoptions:  # what a fresh interpreter importing the same would have
+                sys.warnoptions[:] = options
+                warnings.filters[:] = DEFAULT_FILTERS
+                warnings._processoptions(options)  # in front, an option equal to a default one moved there
+                warnings.filters[:] = IMPORTED_FILTERS + warnings.filters
+                warnings._filters_mutated()
             os.chdir(req["cwd"])
             sys.path[1:1] = req["paths"]
             sys.argv = ["-c"]
@@ -301,12 +317,15 @@ if folder is not None:
 
 
 class _Zygote:
-    """The preloaded interpreter of this process (``_zygote()``)."""
+    """A preloaded interpreter of this process (``_zygote(stack)``): ``PRELOAD``, and with ``stack`` the user stack
+    (``USER_STACK``) too, imported as a training script imports it, before diffusers."""
 
-    def __init__(self) -> None:
+    def __init__(self, stack: bool = False) -> None:
         env = {**os.environ, **_ZYGOTE_ENV}
+        if stack:
+            env["PYTHONPATH"] = str(user_stack_dir())
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _ZYGOTE, *PRELOAD],
+            [sys.executable, "-c", _ZYGOTE, *PRELOAD, *(STACK_MODULES if stack else ())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -350,35 +369,36 @@ class _Zygote:
             pass
 
 
-_zygotes: dict[int, _Zygote] = {}
+_zygotes: dict[tuple[int, bool], _Zygote] = {}
 _zygote_lock = threading.Lock()
 
 
 def close_preloaded() -> None:
-    """End this process's preloaded interpreter (it ends once its runs have) and wait for it (conftest.py
+    """End this process's preloaded interpreters (each ends once its runs have) and wait for them (conftest.py
     calls this at the end of the session; also at exit)."""
     with _zygote_lock:
-        zygote = _zygotes.pop(os.getpid(), None)
-    if zygote is None:
-        return
-    assert zygote.proc.stdin is not None
-    zygote.proc.stdin.close()
-    try:
-        zygote.proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        zygote.proc.kill()
-        zygote.proc.wait()
+        mine = [_zygotes.pop(key) for key in list(_zygotes) if key[0] == os.getpid()]
+    for zygote in mine:
+        assert zygote.proc.stdin is not None
+        zygote.proc.stdin.close()
+        try:
+            zygote.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            zygote.proc.kill()
+            zygote.proc.wait()
 
 
 atexit.register(close_preloaded)
 
 
-def _zygote() -> _Zygote:
-    """This process's preloaded interpreter, started on first use (one per pytest-xdist worker)."""
+def _zygote(stack: bool = False) -> _Zygote:
+    """This process's preloaded interpreter (with the user stack imported, or not), started on first use (one of
+    each per pytest-xdist worker)."""
     with _zygote_lock:
-        if os.getpid() not in _zygotes:
-            _zygotes[os.getpid()] = _Zygote()
-        return _zygotes[os.getpid()]
+        key = (os.getpid(), stack)
+        if key not in _zygotes:
+            _zygotes[key] = _Zygote(stack)
+        return _zygotes[key]
 
 
 if __name__ == "__main__":

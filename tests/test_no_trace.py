@@ -74,9 +74,10 @@ def test_the_one_advice_holds_in_both_environments(version: str) -> None:
     assert {k: with_stack["shipped_check"][k] for k in others} == others
 
 
-#: Where a training step runs under context parallelism on a CPU with diffusers' default backend (``native``: 0.36 -
-#: 0.37 cannot train with it; 0.42.x's enable_parallelism needs an accelerator).
-TRAIN_RELEASES = ("0.38.0", "0.39.0", "0.40.0", "0.41.0")
+#: A release carrying the op bugs and one carrying only those still open, where a training step runs under context
+#: parallelism on a CPU with diffusers' default backend (``native``: 0.36 - 0.37 cannot train with it). The seeded
+#: build itself is compared on every release above.
+TRAIN_RELEASES = ("0.39.0", "0.41.0")
 #: Relative error of the summed gradients and the output against one process: fp32, one reduction order apart.
 TRAIN_TOLERANCE = 1e-5
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import releases
 
 
@@ -22,6 +23,20 @@ def test_a_preloaded_script_starts_with_one_thread() -> None:
         preloaded=True,
     )
     assert result["threads"] == 1, result
+
+
+@pytest.mark.parametrize("options", ["default", "error", "ignore", "error,ignore::DeprecationWarning", ""])
+def test_a_preloaded_script_has_the_warning_filters_of_a_fresh_one(options: str) -> None:
+    """A request for other warning options than the preloaded interpreter's gets the filters a fresh interpreter
+    makes of its ``PYTHONWARNINGS`` (tests/test_warning_filters.py relies on it)."""
+    script = (
+        "import json, warnings, " + ", ".join(releases.PRELOAD) + "\n"
+        "print(json.dumps({'filters': [repr(f) for f in warnings.filters]}))"
+    )
+    env = {"PYTHONWARNINGS": options}
+    forked = releases.run(None, script, env=env, preloaded=True)["filters"]
+    fresh = releases.run(None, script, env=env)["filters"]
+    assert forked == fresh, (forked, fresh)
 
 
 def test_the_preloaded_interpreter_refuses_to_fork_with_a_second_thread(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """Never silent (#29, #30): every warning category under the filters users set, and who says it under torchrun.
 
-Each case is a fresh interpreter on diffusers 0.39.0 with the filters given the way users give them
+Each case is an interpreter on diffusers 0.39.0 (forked from one that imported torch: ``releases.run``, which gives
+it the filters a fresh one would make of its ``PYTHONWARNINGS``) with the filters given the way users give them
 (``PYTHONWARNINGS``, which is what ``python -W`` sets; a real pytest run with ``filterwarnings = error``; a
 ``logging`` set-up). The rule (docs/behaviour.md, "Warnings"): an error filter never makes a warning vanish (met
 on the user's own call it raises there; met inside an import it reaches stderr), an ignore filter silences it,
@@ -119,7 +120,8 @@ def test_under_an_error_filter_every_misread_call_raises() -> None:
         '        outcome = grads.run_case(module, "cudnn", ("b1_s64_h2", 1, 64, 64, 2, 64), False, mask="bool")\n',
     )
     assert script != SCRIPT
-    result = run(release_dir("0.39.0"), script, env={"HOW": "misread", "PYTHONWARNINGS": "error", "RANK": "0"})
+    env = {"HOW": "misread", "PYTHONWARNINGS": "error", "RANK": "0"}
+    result = run(release_dir("0.39.0"), script, env=env, preloaded=True)
     assert result["raised"] == "MaskMisreadWarning", result
 
 
@@ -166,4 +168,4 @@ import diffusers_cudnn_fix, diffusers.models.attention_dispatch
 print(json.dumps({"ok": diffusers_cudnn_fix.status().ok}))
 """
     env = {"DIFFUSERS_CUDNN_FIX_SKIP": "cudnn_backward_kv", "PYTHONWARNINGS": "error"}
-    assert run(release_dir("0.39.0"), script, env=env)["ok"] is False
+    assert run(release_dir("0.39.0"), script, env=env, preloaded=True)["ok"] is False
