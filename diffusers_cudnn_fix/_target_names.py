@@ -23,6 +23,8 @@ QWEN_PROCESSOR = "diffusers.models.transformers.transformer_qwenimage:QwenDouble
 #: diffusers' entry to context parallelism for a model, which applies its plan (cp_gather_grads refuses training where
 #: the plan gathers inside the model).
 ENABLE_PARALLELISM = "diffusers.models.modeling_utils:ModelMixin.enable_parallelism"
+#: Where diffusers 0.42 computes a rank's device (cp_no_accelerator), for enable_parallelism and from_pretrained.
+RESOLVE_PARALLEL_CONFIG = "diffusers.models.modeling_utils:ModelMixin._resolve_parallel_config"
 #: Modules of targets that the hook imports, where they are not yet, before it checks diffusers' attention module:
 #: every model imports them anyway, and a check must not find its target missing only because of the import order.
 IMPORTED_FIRST = (ENABLE_PARALLELISM.partition(":")[0],)
@@ -38,4 +40,5 @@ TEMPLATED_ATTENTION = "_templated_context_parallel_attention"
 TARGETS = (
     CUDNN_FORWARD, CUDNN_BACKWARD, FLASH_FORWARD, FLASH_BACKWARD, RING_FORWARD, RING_BACKWARD, ULYSSES_FORWARD,
     ULYSSES_BACKWARD, ULYSSES_ANYTHING_FORWARD, FLASH_BACKEND, QWEN_PROCESSOR, ENABLE_PARALLELISM,
+    RESOLVE_PARALLEL_CONFIG,
 )  # fmt: skip

@@ -771,7 +771,8 @@ def _cp_step(torch: Any, dist: Any, built: Built, args: argparse.Namespace) -> A
             raise CannotRun(
                 f"diffusers {diffusers.__version__}'s enable_parallelism cannot run on a torch without an accelerator:"
                 " it computes `rank % torch.accelerator.device_count()`, and this torch counts 0 devices "
-                f"(ZeroDivisionError: {exc}). Run verify on the GPU machine (NCCL), or on a CPU with diffusers <= 0.41."
+                f"(ZeroDivisionError: {exc}). The package corrects it (cp_no_accelerator): run verify with the package "
+                "on (not --without-package, nor the fix skipped), on the GPU machine (NCCL), or with diffusers <= 0.41."
             ) from exc
         if args.checkpointing:
             model.enable_gradient_checkpointing()

@@ -84,3 +84,17 @@ def test_verify_passes_over_nccl(version: str, ring: str) -> None:
     found = result(out)
     _keep(f"{version}-nccl-ring{ring}", found)
     assert code == 0, f"exit {code}\n{out}\n{err}"
+
+
+@pytest.mark.skipif(not _two_gpus(), reason="needs two CUDA GPUs (NCCL, one GPU per rank)")
+@pytest.mark.parametrize("package", [True, False], ids=["package", "without-package"])
+def test_helios_under_ring_over_nccl(package: bool) -> None:
+    """#51 under ring attention on the real cuDNN kernels (on a CPU Helios' cross-attention, which diffusers runs
+    outside context parallelism, has no ``_native_cudnn`` kernel): the package's correction PASS, the control
+    MISMATCH."""
+    flag = () if package else ("--without-package",)
+    args = ("--nproc", "2", "--ring", "2", "--model", "helios", "--json", *flag)
+    code, out, err, _ = verify("0.42.1", *args, timeout=TIMEOUT_S)
+    found = result(out)
+    _keep(f"0.42.1-helios-ring2-{'package' if package else 'without-package'}", found)
+    assert code == (0 if package else 1), f"exit {code}\n{out}\n{err}"

@@ -48,6 +48,7 @@ LAYERS = {
     "fixes.cp_gather_grads": 4,
     "fixes.ltx2_cp_plan": 4,
     "fixes.cp_split_warning_once": 4,
+    "fixes.cp_no_accelerator": 4,
     # One replacement per target, built from the policies of the fixes found broken.
     "targets.ring": 5,
     "targets.cudnn": 6,

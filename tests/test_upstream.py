@@ -25,8 +25,7 @@ from diffusers_cudnn_fix.fixes import ALL_FIXES
 ROOT = Path(__file__).resolve().parents[1]
 UPSTREAM = ROOT / "upstream"
 NEWEST = "0.42.1"
-#: The bugs open on the newest release that have an upstream report (cp_gather_grads has none: the rule diffusers
-#: needs is not proven, docs/fixes.md).
+#: The bugs open on the newest release that have an upstream report (every one).
 OPEN = sorted(
     fix.id for fix in ALL_FIXES if Version(NEWEST) in SpecifierSet(fix.affected) and fix.upstream_issue is not None
 )
@@ -108,6 +107,8 @@ PYTHON_LEVEL = (
     "ulysses_head_mask",
     "ulysses_kv_length",
     "cp_split_warning_once",
+    "cp_gather_grads",
+    "cp_no_accelerator",
 )
 #: Fixed by its patch, but found so only where LTX2's module is imported (the check reads its plan then and does not
 #: import it): the doctor and the import-time check still apply it, and its policy then leaves the patched plan alone.
@@ -143,8 +144,8 @@ def test_on_the_patched_release_the_checks_find_the_bugs_fixed(tmp_path: Path) -
     for fix_id in (*PYTHON_LEVEL, "cudnn_masked_row_grads"):
         assert fixes[fix_id]["detected"] == "ok" and not fixes[fix_id]["applied"], fixes[fix_id]
         assert doctor["shipped_check"][fix_id] == "ok", (fix_id, doctor["shipped_check"])
-    # What has no upstream patch (cp_gather_grads: Helios' gradients) is still needed on the patched copy: with the
-    # rest fixed, the advice is "keep", naming it alone.
+    # What is found fixed only where its model is imported (ltx2_cp_plan) is still applied on the patched copy:
+    # the advice is "keep", naming it alone.
     no_patch = sorted(
         f.id
         for f in ALL_FIXES

@@ -143,10 +143,14 @@ def test_042_ring_degree_3_fails_without_the_package_and_passes_with_it() -> Non
     assert "ring_grad_route" in found["setup"]["applied"]
 
 
-def test_042_on_a_cpu_only_torch_says_why_it_cannot_run() -> None:
-    code, out, err, _ = verify("0.42.1", "--nproc", "2")
+def test_042_on_a_cpu_only_torch_runs_with_the_package_and_says_why_not_without() -> None:
+    """#51, item 2: 0.42.x's enable_parallelism divides by the accelerator count (0 on a CPU-only torch); with the
+    package (cp_no_accelerator) verify runs there; without it verify says why it cannot, naming the fix."""
+    found = result(verify("0.42.1", "--json", "--nproc", "2")[1])
+    assert passes(found) and "cp_no_accelerator" in found["exercised"], found
+    code, out, err, _ = verify("0.42.1", "--nproc", "2", "--without-package")
     assert code == 2, f"{out}\n{err}"
-    assert "torch.accelerator.device_count()" in out and "ZeroDivisionError" in out
+    assert "torch.accelerator.device_count()" in out and "ZeroDivisionError" in out and "cp_no_accelerator" in out
 
 
 def test_037_native_backend_says_diffusers_cannot_train_it_under_context_parallelism() -> None:

@@ -140,7 +140,7 @@ WITH_THE_PACKAGE = {
     "wan": "pass",
     "chronoedit": "pass",
     "minimax_h3": "pass",
-    "helios": "cp_gather_grads",  # training refused: replicated parameters would get wrong gradients
+    "helios": "pass",  # its plan gathers inside the model: the package corrects its gradients (#51)
     "ltx --mask padded": "pass",
     "ltx2 --mask padded": "pass",
 }
@@ -216,8 +216,8 @@ STACKS = {
     "ltx2 --mask padded --checkpointing": "pass",
     "ltx --mask padded --compile": "pass",
     "ltx --mask padded --checkpointing": "pass",
-    "helios --compile": "cp_gather_grads",
-    "helios --checkpointing": "cp_gather_grads",
+    "helios --compile": "pass",
+    "helios --checkpointing": "pass",
 }
 
 

@@ -15,6 +15,7 @@ from .._target_names import (
     FLASH_FORWARD,
     GATHER_BACKWARD,
     QWEN_PROCESSOR,
+    RESOLVE_PARALLEL_CONFIG,
     RING_BACKWARD,
     RING_FORWARD,
     ULYSSES_ANYTHING_FORWARD,
@@ -116,10 +117,9 @@ ALL_FIXES: tuple[Fix, ...] = (
         upstream_issue=PATCH_FOR_DIFFUSERS, reached_by=LTX_MASK_RUN, reached_when="never"),
     Fix("cp_gather_grads", "a context-parallel plan that gathers inside the model (Helios) gives the parameters run "
         "replicated between its split/gather pairs wrong gradients, silently", "not reported upstream as of "
-        "diffusers 0.42.1", ">=0.36.0", (ENABLE_PARALLELISM,), "guard",
+        "diffusers 0.42.1", ">=0.36.0", (ENABLE_PARALLELISM,),
         only_for_on=(">=0.36.0", "context-parallel training of a model whose plan gathers inside it (Helios)"),
-        matters_to="context-parallel training of Helios",
-        reached_by="verify --model helios (on a CPU too)",
+        upstream_issue=PATCH_FOR_DIFFUSERS, reached_by="verify --model helios (on a CPU too)",
         bug_in=(GATHER_BACKWARD,), reached_when="never"),
     Fix("ltx2_cp_plan", "LTX2's context-parallel plan splits rope but not cross_attn_rope and never shards the audio "
         "stream: its audio-video cross-attention fails", "not reported upstream as of diffusers 0.42.1", ">=0.37.0",
@@ -132,4 +132,9 @@ ALL_FIXES: tuple[Fix, ...] = (
                      "than the plan's (Wan's 1-D timestep)"),
         upstream_issue=PATCH_FOR_DIFFUSERS, reached_by="verify --model ltx2 (on a CPU too)",
         bug_in=(SPLIT_HOOK_PREPARE,), reached_when="never", environment="transformers not imported"),
+    Fix("cp_no_accelerator", "diffusers 0.42's context parallelism divides the rank by the accelerator count, 0 on a "
+        "CPU-only torch: enable_parallelism raises ZeroDivisionError", "not reported upstream as of diffusers 0.42.1",
+        ">=0.42.0", (RESOLVE_PARALLEL_CONFIG,),
+        only_for_on=(">=0.42.0", "context parallelism on a CPU-only torch (gloo)"),
+        upstream_issue=PATCH_FOR_DIFFUSERS, reached_by="verify --nproc 2 (on a CPU)"),
 )  # fmt: skip

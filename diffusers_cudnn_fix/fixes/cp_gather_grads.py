@@ -1,10 +1,11 @@
-"""A context-parallel plan that gathers inside the model (Helios) trains silently wrong: refused at backward.
+"""A context-parallel plan that gathers inside the model (Helios) trains silently wrong: its gradients corrected.
 
 Bug: such a plan splits a module's input and gathers its output, so the model runs replicated between the pairs;
 ``AllGatherFunction.backward`` keeps this rank's chunk of a gradient it assumes equal on every rank, and the
 replicated parameters' gradients come out off (the output is exact). Every release with context parallelism.
 Detection: diffusers' gather backward, run in one process: does it keep its chunk without reducing over ranks?
-The package: ``enable_parallelism``'s replacement arms, for such a plan, a refusal at backward (docs/fixes.md).
+The package: for such a plan alone, each gather's backward sums the gradient over the ranks first, and the gradient
+entering the model's outputs is divided by the world size (:func:`correct`; docs/fixes.md says why that is exact).
 """
 
 from __future__ import annotations
@@ -14,15 +15,19 @@ import importlib.util
 import re
 import sys
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+try:  # a torch built without distributed has no context parallelism to correct
+    from torch.distributed import _functional_collectives as funcol
+except ImportError:  # pragma: no cover - such builds are not tested here
+    funcol = None  # type: ignore[assignment]
+
 from .. import _ledger
 from .._detect import StandInModel, spreads, with_globals
 from .._fix import Finding, Lookup, built_of
-from .._warnings import UnsafeAttentionError, explain
 from . import ENABLE_PARALLELISM
 
 #: The record's id (the module is named after it: the registry finds the check so), for the policy's mark.
@@ -31,26 +36,18 @@ FIX_ID = __name__.rpartition(".")[2]
 #: diffusers' module of the plan's hooks and of the gather whose backward the check runs.
 CONTEXT_PARALLEL = "diffusers.hooks.context_parallel"
 GATHER = "AllGatherFunction"
-#: The attribute of a model whose refusal is armed (its forward hook's handle): armed once per model.
-ARMED = "_diffusers_cudnn_fix_cp_gather_grads"
+#: The attribute of a model whose correction is made (its output hook's handle): made once per model.
+CORRECTED = "_diffusers_cudnn_fix_cp_gather_grads"
 
-CAUSE = (
-    "this model's context-parallel plan gathers the output of {modules} inside the model, so the model runs "
-    "replicated on every rank between the split/gather pairs, and diffusers' all-gather backward keeps this "
-    "rank's chunk of a gradient it assumes equal on every rank."
-)
-CONSEQUENCE = (
-    "The output is exact but the parameter gradients are not: a tiny Helios under Ulysses 2 (diffusers 0.38.0 - "
-    "0.42.1) gets 51 of 1,095 gradients off, the replicated ones (proj_out, norm_out, the time embedder, each "
-    "block's scale_shift_table, patch_embedding) 1.5 - 2.0 x one process's when summed over the ranks, so this "
-    "backward is refused."
-)
-WAY_OUT = (
-    "Train this model without context parallelism, or run it under context parallelism for inference only "
-    "(torch.no_grad(), which is exact). diffusers would need the replicated parameters' gradients reduced apart "
-    "from the sharded ones (a rule not proven here)."
-)
-_SECTION = "fixes.md#cp_gather_grads"
+#: Sums a gradient over the ranks of a process group: ``all_reduce(tensor, group) -> tensor`` (a check stands in).
+AllReduce = Callable[[torch.Tensor, Any], torch.Tensor]
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """``tensor`` summed over the ranks of ``group``, out of place (the functional collective: torch.compile traces
+    it; ``wait_tensor`` so that autograd gets a plain tensor). Runs in backwards, on autograd's threads too: its
+    module is imported with this one, never here."""
+    return funcol.wait_tensor(funcol.all_reduce(tensor.contiguous(), "sum", group))
 
 
 def _gathers(entry: Any) -> bool:
@@ -87,41 +84,96 @@ def gathers_inside(plan: Any) -> list[str]:
     return list(dict.fromkeys(re.sub(r"\.\d+(?=\.|$)", ".*", key) for key in found))
 
 
-def message(modules: list[str]) -> str:
-    """The refusal's message for a plan gathering the output of ``modules`` inside the model."""
-    return explain(CAUSE.format(modules=", ".join(modules)), CONSEQUENCE, WAY_OUT, _SECTION)
+class _SumOverRanks(torch.autograd.Function):
+    """The identity forward; backward, the gradient summed over the ranks. Put after diffusers' all-gather, whose
+    backward then keeps this rank's chunk of the sum: a reduce-scatter, the all-gather's true backward."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any, all_reduce: AllReduce) -> torch.Tensor:
+        ctx.group, ctx.all_reduce = group, all_reduce
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return ctx.all_reduce(grad, ctx.group), None, None
 
 
-def _tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors of a model's output: a tensor, a tuple or list of them, or diffusers' output dataclass (a
-    mapping)."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    items = output.values() if isinstance(output, Mapping) else output if isinstance(output, (list, tuple)) else ()
-    return [item for item in items if isinstance(item, torch.Tensor)]
+class _Scaled(torch.autograd.Function):
+    """The identity forward; backward, the gradient times ``factor``."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
 
 
-def arm(model: Any, config: Any, plan: Any) -> None:
-    """Where ``plan`` gathers inside the model and ``config`` spreads it over ranks: a forward hook on ``model``
-    that, where the output requires grad, makes its backward raise :class:`UnsafeAttentionError`. A forward without
-    grad (inference) runs as shipped."""
-    modules = gathers_inside(plan)
-    if not modules or not spreads(config) or getattr(model, ARMED, None) is not None:
+def _each_tensor(value: Any, change: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` (a module's output: a tensor, a tuple or list of them, or diffusers' output dataclass, a mapping)
+    with ``change`` applied to each tensor that requires grad; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return change(value) if value.requires_grad else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_each_tensor(item, change) for item in value)
+    if isinstance(value, Mapping):
+        return type(value)(**{key: _each_tensor(item, change) for key, item in value.items()})
+    return value
+
+
+def _world(config: Any) -> int:
+    """The ranks ``config`` (diffusers' ``ParallelConfig`` or a ``ContextParallelConfig``) spreads attention over."""
+    cp = getattr(config, "context_parallel_config", config)
+    return int(getattr(cp, "ulysses_degree", 1) or 1) * int(getattr(cp, "ring_degree", 1) or 1)
+
+
+def _gather_hooks(model: Any) -> list[Any]:
+    """The gather hooks diffusers put on ``model``'s modules (each with the plan's gather entries as ``metadata`` and
+    the post-forward its registry calls, ``fn_ref.post_forward``)."""
+    found = []
+    for module in model.modules():
+        hooks = getattr(getattr(module, "_diffusers_hook", None), "hooks", None)
+        for hook in hooks.values() if isinstance(hooks, dict) else ():
+            if _gathers(getattr(hook, "metadata", None)) and hasattr(getattr(hook, "fn_ref", None), "post_forward"):
+                found.append(hook)
+    return found
+
+
+def _group(hook: Any) -> Any:
+    """The process group a gather hook gathers over (its config's flattened mesh's, as diffusers' gather takes it)."""
+    mesh = getattr(getattr(hook, "parallel_config", None), "_flattened_mesh", None)
+    return mesh.get_group() if mesh is not None and hasattr(mesh, "get_group") else None
+
+
+def correct(model: Any, config: Any, plan: Any, all_reduce: AllReduce = all_reduce_sum) -> None:
+    """Where ``plan`` gathers inside the model and ``config`` spreads it over ranks: each gather hook diffusers put on
+    ``model`` hands on its output with :class:`_SumOverRanks` (the gradient summed over the ranks before diffusers'
+    backward keeps this rank's chunk), and a forward hook on ``model`` divides the gradient entering its outputs by
+    the world size. Every rank's gradients are then partial sums that add up over the ranks to one process's, as
+    for a plan that gathers only at its end (docs/fixes.md). A forward without grad (inference) is unchanged."""
+    if not gathers_inside(plan) or not spreads(config) or getattr(model, CORRECTED, None) is not None:
         return
     if _ledger.recording:
         _ledger.reached(FIX_ID)
-    text = message(modules)
+    for hook in _gather_hooks(model):
+        hook.fn_ref.post_forward = _summing(hook.fn_ref.post_forward, _group(hook), all_reduce)
+    share = 1.0 / _world(config)
 
-    def refuse(_: torch.Tensor) -> None:
-        raise UnsafeAttentionError(text)
+    def divide_outputs(module: Any, args: Any, output: Any) -> Any:
+        return _each_tensor(output, lambda tensor: _Scaled.apply(tensor, share))
 
-    def refuse_at_backward(module: Any, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled():
-            for tensor in _tensors(output):
-                if tensor.requires_grad:
-                    tensor.register_hook(refuse)
+    setattr(model, CORRECTED, model.register_forward_hook(divide_outputs))
 
-    setattr(model, ARMED, model.register_forward_hook(refuse_at_backward))
+
+def _summing(post_forward: Any, group: Any, all_reduce: AllReduce) -> Any:
+    """A gather hook's ``post_forward`` (diffusers' all-gather) followed by :class:`_SumOverRanks` on each output."""
+
+    def gathered_then_summed(module: Any, output: Any) -> Any:
+        return _each_tensor(post_forward(module, output), lambda tensor: _SumOverRanks.apply(tensor, group, all_reduce))
+
+    return gathered_then_summed
 
 
 class _Collective(Exception):
@@ -163,28 +215,61 @@ class _StandInPlan:
         self.__dict__.update(fields)
 
 
-def _refuses(lookup: Lookup) -> bool | str:
-    """Whether the ``enable_parallelism`` a model gets (as ``lookup`` shows it) refuses the backward of a stand-in
-    model whose plan gathers inside it (run in one process, diffusers' own stood in) while its inference runs; a
-    text where it cannot be run. diffusers' own applies the plan as it is: False."""
-    called: list[Any] = []
-    run = built_of(lookup, ENABLE_PARALLELISM, lambda self, *args, **kwargs: called.append(kwargs))
+class _StandInGatheringModel(torch.nn.Module):
+    """A model of two stand-in layers whose first one's output goes through the post-forward of the gather hook the
+    stand-in of diffusers' ``enable_parallelism`` puts on it (as diffusers' hook registry calls it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = StandInModel(), StandInModel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hook: Any = getattr(self.inner, "_diffusers_hook").hooks["gather"]  # noqa: B009 - put there at run time
+        return self.outer(hook.fn_ref.post_forward(self.inner, self.inner(x)))
+
+
+def _corrects(lookup: Lookup) -> bool | str:
+    """Whether the ``enable_parallelism`` a model gets (as ``lookup`` shows it), run in one process on a stand-in
+    model whose plan gathers inside it over 2 ranks (diffusers' own stood in by one that puts an identity gather
+    hook on it; the sum over the ranks stood in by one that records its group and doubles the gradient, as two
+    equal ranks would sum), sums the gathered gradient over the hook's group and halves the gradient entering the
+    output, so that each parameter gets its share of one process's gradient. diffusers' own: False (a text where
+    it cannot be run)."""
+    group = object()
+    summed: list[Any] = []
+
+    def stand_in_all_reduce(tensor: torch.Tensor, over: Any) -> torch.Tensor:
+        summed.append(over)
+        return tensor * 2
+
+    def register(self: Any, *args: Any, **kwargs: Any) -> None:
+        mesh = types.SimpleNamespace(get_group=lambda: group)
+        fn_ref = types.SimpleNamespace(post_forward=lambda module, output: output)
+        hook = types.SimpleNamespace(metadata=[_StandInPlan(gather_dim=1)], fn_ref=fn_ref,
+                                     parallel_config=types.SimpleNamespace(_flattened_mesh=mesh))  # fmt: skip
+        self.inner._diffusers_hook = types.SimpleNamespace(hooks={"gather": hook})
+
+    run = built_of(lookup, ENABLE_PARALLELISM, register, all_reduce=stand_in_all_reduce)
     if run is None:
         return "the replacement could not be built around a stand-in"
     split = {"x": _StandInPlan(split_dim=1, split_output=False)}
     plan = {"blocks.*.attn": split, "blocks.0.attn": _StandInPlan(gather_dim=1)}
-    model = StandInModel()
+    model, reference = _StandInGatheringModel(), _StandInGatheringModel()
     config = types.SimpleNamespace(context_parallel_config=types.SimpleNamespace(ulysses_degree=2, ring_degree=1))
     try:
         run(model, config=config, cp_plan=plan)
-        with torch.no_grad():
-            model(torch.ones(1, 2))
-        model(torch.ones(1, 2)).sum().backward()
-    except UnsafeAttentionError:
-        return bool(called)
+        x = torch.tensor([[1.0, 2.0]])
+        model(x).square().sum().backward()
+        register(reference)
+        reference(x).square().sum().backward()
+        # As one of two equal ranks: the layer before the gather gets one process's gradient (the sum over the two
+        # ranks, halved at the output), the one after it half of it (its share of the two ranks' sum).
+        mine: Any = [model.inner.weight.grad, model.outer.weight.grad]
+        theirs: Any = [reference.inner.weight.grad, reference.outer.weight.grad]
+        before, after = torch.equal(mine[0], theirs[0]), torch.equal(mine[1] * 2, theirs[1])
     except Exception as exc:  # noqa: BLE001 - a replacement this check cannot run: said as unknown
         return f"{type(exc).__name__}: {exc}"
-    return False
+    return summed == [group] and before and after
 
 
 def check(lookup: Lookup) -> Finding:
@@ -205,11 +290,12 @@ def check(lookup: Lookup) -> Finding:
     if enable is None:  # diffusers' ModelMixin not imported yet: checked again once it is (the hook watches it)
         return Finding("broken", f"{GATHER}.backward keeps this rank's chunk of a gradient it assumes equal on every "
                        "rank; ModelMixin.enable_parallelism is not imported yet")  # fmt: skip
-    refuses = _refuses(lookup)
-    if isinstance(refuses, str):
-        return Finding("unknown", f"ModelMixin.enable_parallelism could not be run in one process ({refuses})")
-    if refuses:
-        return Finding("ok", "training a model whose plan gathers inside it is refused at backward")
+    corrects = _corrects(lookup)
+    if isinstance(corrects, str):
+        return Finding("unknown", f"ModelMixin.enable_parallelism could not be run in one process ({corrects})")
+    if corrects:
+        return Finding("ok", "a model whose plan gathers inside it gets its gathered gradients summed over the ranks "
+                       "and its output's gradient divided by the world size: one process's gradients")  # fmt: skip
     return Finding(
         "broken",
         f"{GATHER}.backward keeps this rank's chunk of a gradient it assumes equal on every rank, and "

@@ -75,7 +75,7 @@ class Facts:
 def build(
     shipped: Lookup, broken: frozenset[str], *, facts: Facts | None = None, diffusers: Any = None,
     siblings: dict[str, Any] | None = None, collectives: Any = None, step_ops: Any = None, all_to_all: Any = None,
-    mask_mode: str | None = None,
+    mask_mode: str | None = None, all_reduce: Any = None, torch_module: Any = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Every replacement the policies of the ``broken`` fixes need, by target (diffusers' objects: ``shipped``, from
     its attention module ``diffusers``; what the builders read off them: ``facts``, default read off ``shipped``).
@@ -83,7 +83,9 @@ def build(
     rebuilt one is handed the very ops diffusers will hand it); ``collectives`` and ``step_ops``: the ring's
     (:func:`ring.build`); ``all_to_all``: the Ulysses backward's (:func:`ulysses.build`); ``mask_mode``: the
     mask mode the cuDNN forward and the Ulysses forward run in, without its notices (a check's; default: the
-    user's switch, read at each call)."""
+    user's switch, read at each call); ``all_reduce``: how ``enable_parallelism``'s replacement sums a gathered
+    gradient over the ranks, ``torch_module`` the torch ``_resolve_parallel_config``'s replacement reads
+    (:func:`models.build`)."""
     facts = Facts(shipped) if facts is None else facts
     gqa_refused = facts.gqa_refused
     ops = {
@@ -96,4 +98,4 @@ def build(
         **ulysses.build(shipped, broken, ops, facts, diffusers=diffusers, all_to_all=all_to_all, mask_mode=mask_mode),
         **ring.build(shipped, broken, ops, facts, collectives=collectives, step_ops=step_ops),
     }
-    return {**built, **models.build(shipped, broken)}
+    return {**built, **models.build(shipped, broken, all_reduce, torch_module)}

@@ -1,14 +1,17 @@
 """``cp_gather_grads`` (fixes/cp_gather_grads.py): a context-parallel plan that gathers inside the model (Helios)
 trains silently wrong (issue #42, item 1): the output is exact, the parameters run replicated between the plan's
-split/gather pairs get wrong gradients. The package refuses such a model's backward under context parallelism;
-its inference runs as shipped.
+split/gather pairs get wrong gradients. The package corrects it (#51): for such a plan alone, each gather's
+backward sums the gradient over the ranks before diffusers keeps this rank's chunk (a reduce-scatter), and the
+gradient entering the model's outputs is divided by the world size.
 
 * The check: broken on every release with context parallelism (diffusers' all-gather backward keeps this rank's
   chunk), the package's ``enable_parallelism`` passes it; absent on 0.35.2.
 * The classifier: every plan shipped in 0.36.0 - 0.42.1 as docs/fixes.md's table says (only Helios gathers inside).
-* The policy: ``enable_parallelism``'s replacement on a stand-in model, in process (no process group): inference
-  runs, training is refused, a plan gathering at its end and a single rank are left alone.
-* The two-rank control and the refusal on a tiny real Helios: tests/test_cp_models.py.
+* The policy: ``enable_parallelism``'s replacement on a stand-in model, in process, with a stand-in sum over the
+  ranks: the gathered gradient summed over the hook's group, the output's divided by the world size; inference
+  unchanged; a plan gathering at its end and a single rank left alone (their gathers and outputs untouched).
+* Two ranks on a tiny real Helios (with the package: every gradient as one process; without: the control):
+  tests/test_cp_models.py; under ring and unified attention, compiled and checkpointed: tests/test_verify_models.py.
 """
 
 from __future__ import annotations
@@ -23,16 +26,16 @@ FIX = "cp_gather_grads"
 # diffusers' all-gather backward keeps this rank's chunk of a gradient it assumes equal on every rank (every
 # release with context parallelism); a plan that gathers inside the model (Helios) trains wrong with it.
 CARRIES = WITH_OPS
-CORRECTION = False  # a guard: the package refuses or converts the input (True: a correction)
+CORRECTION = True  # a correction: the package makes the result right (False: a guard)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version", RELEASES)
 def test_the_check_finds_the_bug_on_every_release_with_context_parallelism(version: str) -> None:
-    """Broken as shipped and guarded by the package's ``enable_parallelism`` where the release has context
+    """Broken as shipped and corrected by the package's ``enable_parallelism`` where the release has context
     parallelism; not applicable on 0.35.2, which has none."""
     found = fix_states(version, models_first=True)[FIX]
-    expected = ["broken", True, "guarded"] if version in CARRIES else ["absent", False, "not_applicable"]
+    expected = ["broken", True, "fixed"] if version in CARRIES else ["absent", False, "not_applicable"]
     assert found == expected, version
 
 
@@ -41,7 +44,7 @@ def test_the_check_with_only_the_attention_module_imported() -> None:
     """``import diffusers.models.attention_dispatch`` alone (ModelMixin not imported yet): the same finding, no
     warning. Needs the hook to import ModelMixin's module first (``_target_names.IMPORTED_FIRST``)."""
     for version in ("0.36.0", "0.42.1"):
-        assert fix_states(version)[FIX] == ["broken", True, "guarded"], version
+        assert fix_states(version)[FIX] == ["broken", True, "fixed"], version
 
 
 def _plans_script() -> str:
@@ -110,40 +113,87 @@ def test_the_classifier_reads_the_plans_structure() -> None:
     assert gathers_inside(None) == [] and gathers_inside({"": _Gather()}) == []
 
 
-def _stand_in(plan: dict, *, degree: int = 2):
-    """A linear model, the package's ``enable_parallelism`` around a stand-in of diffusers' own (which only
-    records it was called), applied with ``plan`` at Ulysses ``degree``."""
+class _Gathering:
+    """A stand-in model of two linear maps whose first one's output goes through the gather hook's post-forward (an
+    identity: one process), as diffusers' hook registry calls it; the stand-in of diffusers' ``enable_parallelism``
+    puts that hook on it."""
+
+    def __init__(self) -> None:
+        import torch
+
+        class Net(torch.nn.Sequential):
+            def forward(self, x):  # the first layer's output through the hook's post-forward, as diffusers' registry
+                hook = next(iter(self[0]._diffusers_hook.hooks.values()))
+                return self[1](hook.fn_ref.post_forward(self[0], self[0](x)))
+
+        self.module = Net(torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 2, bias=False))
+        with torch.no_grad():
+            self.module[0].weight.copy_(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+            self.module[1].weight.copy_(torch.tensor([[0.5, -1.0], [2.0, 1.5]]))
+        self.group = object()
+        self.summed: list = []
+
+    def register(self, module, **kwargs) -> None:
+        mesh = types.SimpleNamespace(get_group=lambda: self.group)
+        hook = types.SimpleNamespace(
+            metadata=[_Gather()], fn_ref=types.SimpleNamespace(post_forward=lambda m, out: out),
+            parallel_config=types.SimpleNamespace(_flattened_mesh=mesh),
+        )  # fmt: skip
+        module[0]._diffusers_hook = types.SimpleNamespace(hooks={"cp_output---blocks.0.attn": hook})
+        self.hook = hook
+
+    def all_reduce(self, tensor, group):
+        self.summed.append(group)
+        return tensor * 2  # two equal ranks
+
+    def run(self, x, enable: bool, plan: dict, degree: int = 2):
+        from diffusers_cudnn_fix.targets.models import enable_parallelism
+
+        if enable:
+            config = types.SimpleNamespace(
+                context_parallel_config=types.SimpleNamespace(ulysses_degree=degree, ring_degree=1)
+            )
+            steps = frozenset({FIX})
+            enable_parallelism(self.register, steps, self.all_reduce)(self.module, config=config, cp_plan=plan)
+        elif not hasattr(self, "hook"):
+            self.register(self.module)
+        return self.module(x)
+
+
+PLAN_INSIDE = {"blocks.*.attn": {"x": _Split()}, "blocks.0.attn": _Gather()}
+
+
+def _grads(model: _Gathering) -> list:
+    return [p.grad.clone() for p in model.module.parameters()]
+
+
+def test_a_model_gathering_inside_gets_its_gradients_summed_and_its_output_divided() -> None:
+    """As one of two equal ranks: the gathered gradient summed over the hook's group (doubled), the output's halved:
+    the layer before the gather gets one process's gradient, the one after it half (its share of the sum)."""
     import torch
 
-    from diffusers_cudnn_fix.targets.models import enable_parallelism
-
-    calls: list = []
-    model = torch.nn.Linear(2, 2)
-    config = types.SimpleNamespace(context_parallel_config=types.SimpleNamespace(ulysses_degree=degree, ring_degree=1))
-    enable_parallelism(lambda self, **kwargs: calls.append(kwargs))(model, config=config, cp_plan=plan)
-    assert len(calls) == 1 and calls[0]["cp_plan"] is plan
-    return model
-
-
-def test_training_a_model_gathering_inside_is_refused_and_inference_runs() -> None:
-    import torch
-
-    from diffusers_cudnn_fix import UnsafeAttentionError
-
-    model = _stand_in({"blocks.*.attn": {"x": _Split()}, "blocks.0.attn": _Gather()})
-    with torch.no_grad():
-        model(torch.ones(1, 2))
-    with pytest.raises(UnsafeAttentionError, match=r"gathers the output of blocks\.\*\.attn inside the model"):
-        model(torch.ones(1, 2)).sum().backward()
-    assert model.weight.grad is None
+    x = torch.tensor([[1.0, -2.0]])
+    corrected, shipped = _Gathering(), _Gathering()
+    corrected.run(x, True, PLAN_INSIDE).square().sum().backward()
+    shipped.run(x, False, PLAN_INSIDE).square().sum().backward()
+    (before, after), (before_ref, after_ref) = _grads(corrected), _grads(shipped)
+    assert corrected.summed == [corrected.group]
+    assert torch.equal(before, before_ref) and torch.equal(after * 2, after_ref)
+    with torch.no_grad():  # inference: exactly the shipped output, nothing summed
+        assert torch.equal(corrected.run(x, False, PLAN_INSIDE), shipped.run(x, False, PLAN_INSIDE))
+    assert corrected.summed == [corrected.group]
 
 
 @pytest.mark.parametrize("case", ["gathers_at_the_end", "one_rank"])
 def test_other_plans_and_one_rank_train_as_shipped(case: str) -> None:
+    """A plan that gathers only where it stops splitting (Flux, QwenImage, Wan, LTX), and a single rank: nothing
+    summed, nothing divided: the gradients diffusers gives, bit for bit."""
     import torch
 
-    plan = {"": {"x": _Split()}, "proj_out": _Gather()} if case == "gathers_at_the_end" else None
-    inside = {"blocks.*.attn": {"x": _Split()}, "blocks.0.attn": _Gather()}
-    model = _stand_in(plan or inside, degree=2 if plan else 1)
-    model(torch.ones(1, 2)).sum().backward()
-    assert model.weight.grad is not None
+    plan = {"": {"x": _Split()}, "proj_out": _Gather()} if case == "gathers_at_the_end" else PLAN_INSIDE
+    x = torch.tensor([[1.0, -2.0]])
+    corrected, shipped = _Gathering(), _Gathering()
+    corrected.run(x, True, plan, degree=2 if case == "gathers_at_the_end" else 1).square().sum().backward()
+    shipped.run(x, False, plan).square().sum().backward()
+    assert corrected.summed == []
+    assert all(torch.equal(a, b) for a, b in zip(_grads(corrected), _grads(shipped), strict=True))

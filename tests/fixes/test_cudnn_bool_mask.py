@@ -266,6 +266,7 @@ print(json.dumps(result))
     )
     assert result["applied"] == [
         "cp_gather_grads",
+        "cp_no_accelerator",
         "cp_split_warning_once",
         "cudnn_bool_mask",
         "cudnn_input_dtypes",
