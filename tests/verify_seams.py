@@ -6,8 +6,11 @@
   ``_native_math`` backend, which never reaches those ops.
 * On a torch without an accelerator, diffusers 0.42.x's ``enable_parallelism`` divides by
   ``torch.accelerator.device_count()`` (0). As in tests/subprocess_cp_training.py, only for the duration of
-  that one call the count reads 1; nothing else changes. verify itself says plainly that 0.42.x cannot run
-  there (tests/test_verify.py runs that case without this module).
+  that one call the count reads 1; nothing else changes. Needed only with the package off (``--without-package``):
+  its ``cp_no_accelerator`` corrects it otherwise (tests/test_verify.py runs that case without this module).
+* On a CPU, ``_native_cudnn``'s calls outside context parallelism (a model's cross-attention to the unsplit text,
+  Helios') ask ``F.scaled_dot_product_attention`` for the cuDNN kernel alone, which has no CPU implementation (the
+  stand-ins are the context-parallel path's ATen ops): there, that request runs the math kernel.
 """
 
 from __future__ import annotations
@@ -41,3 +44,21 @@ def _count_one_during_enable_parallelism() -> None:
 
 if hasattr(torch, "accelerator") and torch.accelerator.device_count() == 0:
     _count_one_during_enable_parallelism()
+
+
+def _cudnn_alone_runs_math_on_a_cpu() -> None:
+    import torch.nn.attention as attention
+
+    shipped = attention.sdpa_kernel
+
+    @functools.wraps(shipped)
+    def sdpa_kernel(backends, *args, **kwargs):
+        if backends == attention.SDPBackend.CUDNN_ATTENTION or backends == [attention.SDPBackend.CUDNN_ATTENTION]:
+            backends = attention.SDPBackend.MATH
+        return shipped(backends, *args, **kwargs)
+
+    attention.sdpa_kernel = sdpa_kernel
+
+
+if not torch.cuda.is_available():
+    _cudnn_alone_runs_math_on_a_cpu()
